@@ -54,11 +54,15 @@ def test_model_and_tokenizer(loaded) -> None:
 def test_greedy_answer(loaded) -> None:
     model, tokenizer, _, _ = loaded
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     input_ids = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=20, do_sample=False)
-    answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=20, do_sample=False
+        )
+    answer = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
