@@ -1,0 +1,46 @@
+"""Offline entry point: `generate_batch` blocks until every prompt is done."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from cbserve.config import ContinuousBatchingConfig
+from cbserve.outputs import GenerationOutput
+from cbserve.workers.engine import EngineCore
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    progress_bar: bool = True,
+) -> dict[str, GenerationOutput]:
+    """Run every prompt through the engine; returns outputs keyed "req_0", "req_1", ... in
+    input order. Invalid prompts raise `ValueError` before anything runs."""
+    gc = generation_config or model.generation_config
+    default_new = gc.max_new_tokens if gc.max_new_tokens is not None else 20
+    engine = EngineCore(
+        model, gc, continuous_batching_config,
+        max_total_tokens_hint=sum(len(p) + default_new for p in inputs),
+        num_requests_hint=len(inputs),
+    )
+    try:
+        requests = [engine.make_request(list(p), f"req_{i}") for i, p in enumerate(inputs)]
+        for request in requests:
+            engine.add_request(request)
+        start = time.perf_counter()
+        with tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
+            while engine.has_work:
+                done = sum(r.status.is_final for r in engine.step())
+                if done:
+                    bar.update(done)
+                    rate = engine.generated_tokens / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{rate:.1f} tok/s")
+        return {r.request_id: r.snapshot() for r in requests}
+    finally:
+        engine.release_model()

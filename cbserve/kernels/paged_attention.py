@@ -1,0 +1,162 @@
+"""The attention function that `transformers` models call inside cbserve's forward pass.
+
+It is registered with `transformers.AttentionInterface`; each layer hands it the new tokens'
+query/key/value of the packed batch ([1, heads, T, head_dim]) and the step's metadata. It
+writes the new K/V into the layer's pages by slot mapping, then attends:
+
+- decode rows (one query per request) in one batched call over each request's gathered K/V,
+  padded to the longest context of the batch, with SDPA's GQA support (no repeated heads);
+- prefill chunks one request at a time, causal with an offset over the cached prefix.
+
+No dense block-diagonal mask over the whole batch is ever built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "cbserve_paged"
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int
+    q_end: int
+    first_position: int  # absolute position of the chunk's first query token
+    kv_slots: torch.Tensor | None  # slots of positions [0, first_position + len); None: no cached prefix
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    @property
+    def num_queries(self) -> int:
+        return self.q_end - self.q_start
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Bool [q, kv] mask (True = attend), or None when plain causal SDPA is exact."""
+        if window not in self._masks:
+            if self.first_position == 0 and window is None:
+                self._masks[window] = None
+            else:
+                q_pos = torch.arange(self.first_position, self.first_position + self.num_queries)[:, None]
+                kv_pos = torch.arange(self.first_position + self.num_queries)[None, :]
+                allowed = kv_pos <= q_pos
+                if window is not None:
+                    allowed &= kv_pos > q_pos - window
+                self._masks[window] = allowed
+        return self._masks[window]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention function needs for one step, built once for all layers."""
+
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, page_size, kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64, padded with slot 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunk]
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """Bool [num_decodes, 1, 1, max_context]: real (and in-window) context positions."""
+        if window not in self._decode_masks:
+            lens = self.decode_context_lens[:, None]
+            kv_pos = torch.arange(self.decode_slots.shape[1])[None, :]
+            allowed = kv_pos < lens
+            if window is not None:
+                allowed &= kv_pos > lens - 1 - window
+            self._decode_masks[window] = allowed[:, None, None, :]
+        return self._decode_masks[window]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, kvH, Lk, D], bool mask broadcastable to [B, 1, Lq, Lk] or
+    None for causal. GQA without repeating K/V heads."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    # SDPA cannot soft-cap scores (Gemma 2): an eager path grouped by KV head.
+    b, h, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    if mask is None:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, kv_heads, h // kv_heads, lq, d)
+    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    grouped_mask = mask.unsqueeze(2) if mask.dim() == 4 else mask  # [B, 1, 1, Lq, Lk]
+    scores = scores.masked_fill(~grouped_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, lq, d)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [T, kvH, D] into the pages at `slot_mapping` [T]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cb_meta: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if cb_meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the cbserve engine")
+    layer = module.layer_idx
+    k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
+    _, num_heads, num_tokens, head_dim = query.shape
+    k_new = key[0].transpose(0, 1)  # [T, kvH, D]
+    v_new = value[0].transpose(0, 1)
+    store_kv(k_new, v_new, k_cache, v_cache, cb_meta.slot_mapping)
+
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    nd = cb_meta.num_decodes
+    if nd:
+        q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
+        k = k_flat[cb_meta.decode_slots].transpose(1, 2)  # [nd, kvH, L, D]
+        v = v_flat[cb_meta.decode_slots].transpose(1, 2)
+        o = attend(q, k, v, cb_meta.decode_mask(sliding_window), scaling, softcap)
+        out[0, :nd] = o.squeeze(2)
+    for chunk in cb_meta.prefills:
+        s, e = chunk.q_start, chunk.q_end
+        q = query[:, :, s:e]
+        if chunk.kv_slots is None:  # nothing cached before this chunk: use the new K/V as is
+            k, v = key[:, :, s:e], value[:, :, s:e]
+        else:
+            k = k_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+            v = v_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+        o = attend(q, k, v, chunk.mask(sliding_window), scaling, softcap)
+        out[0, s:e] = o[0].transpose(0, 1)
+    return out, None
+
+
+def register() -> None:
+    """Register the attention function and a mask function that builds no dense mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)

@@ -1,0 +1,128 @@
+"""Which requests run in the next forward pass, and how many of their tokens.
+
+The scheduler reasons in token budgets, not phases: each step takes up to `max_batch_tokens`
+query tokens and `max_requests` requests, mixing decode tokens and prefill chunks. Prompts
+larger than the budget are prefilled in chunks over several steps. When the cache runs out,
+the most recently admitted request is preempted (its pages freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from cbserve.outputs import RequestStatus
+from cbserve.scheduler.request import Request
+from cbserve.workers.block_manager import BlockManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_query_tokens: int
+    # The chunk reaches the end of the request's tokens, so its last logits are sampled.
+    sample: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_requests: int,
+        policy: str = "fifo",
+        safety_margin: float = 0.15,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests
+        self.policy = policy
+        self.safety_margin = safety_margin
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished, cancelled or failed) and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.block_manager.free(request)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_batch_tokens
+        batch: list[ScheduledRequest] = []
+        decodes = [r for r in self.running if r.num_pending == 1]
+        prefills = [r for r in self.running if r.num_pending > 1]
+        order = decodes + prefills if self.policy == "fifo" else prefills + decodes
+        scheduled: set[int] = set()
+        for request in order:
+            if budget == 0 or len(batch) == self.max_requests:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            num = min(request.num_pending, budget)
+            if not self._allocate_or_preempt(request, num, scheduled):
+                continue
+            batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            scheduled.add(id(request))
+            budget -= num
+        self._admit(batch, budget)
+        if self.policy == "prefill_first":  # admitted prefills go first
+            batch.sort(key=lambda s: s.request.num_pending == 1)
+        return batch
+
+    def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
+        target = request.num_computed + num
+        while not self.block_manager.allocate(request, target):
+            victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+            if victim is None:  # nothing left to preempt: wait for others to finish
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s (recompute)", request.request_id)
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def _admit(self, batch: list[ScheduledRequest], budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(batch) < self.max_requests:
+            nothing_runs = not self.running
+            if not nothing_runs and bm.num_free < self.safety_margin * bm.num_blocks:
+                break
+            request = self.waiting[0]
+            bm.match_prefix(request)
+            num = min(request.num_pending, budget)
+            if not bm.allocate(request, request.num_computed + num):
+                bm.free(request)  # release the prefix pages it matched; it stays first in line
+                break
+            self.waiting.popleft()
+            self.prefix_hit_tokens += request.num_computed
+            self.running.append(request)
+            request.status = RequestStatus.PREFILLING
+            batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            budget -= num

@@ -1,0 +1,122 @@
+"""KV pages: allocation with reference counts, and prefix caching by chained page hashes.
+
+A "block" here is one page index; the same index addresses that page in every layer's cache.
+A full page is identified by a hash chaining its parent's hash with its tokens; a hit also
+compares the tokens. Pages of finished requests keep their hash and stay reusable until their
+memory is needed again (least recently freed are reused first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cbserve.scheduler.request import Request
+
+NO_HASH = -1
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+def page_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is the order pages were freed: the oldest is reused first.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def _take_free(self) -> Block:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH:  # its cached content is about to be overwritten
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+        block.ref_count = 1
+        return block
+
+    def _share(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def match_prefix(self, request: Request) -> None:
+        """Attach cached full pages of the request's tokens; the last token is always computed."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return
+        parent = NO_HASH
+        max_pages = (request.num_tokens - 1) // self.page_size
+        for i in range(max_pages):
+            tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])
+            h = page_hash(parent, tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._share(self.blocks[block_id])
+            request.block_ids.append(block_id)
+            parent = h
+        request.num_hashed_blocks = len(request.block_ids)
+        request.num_computed = len(request.block_ids) * self.page_size
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Give the request enough pages to hold `num_tokens` tokens; all or nothing."""
+        missing = self.pages_needed(num_tokens) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.num_free:
+            return False
+        request.block_ids.extend(self._take_free().block_id for _ in range(missing))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's pages; the last pages go to the free list first so that
+        a shared prefix outlives its tails."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        request.block_ids = []
+        request.num_hashed_blocks = 0
+        request.num_computed = 0
+
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def register_full_pages(self, request: Request) -> None:
+        """Hash the pages that the last step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed // self.page_size, len(request.block_ids))
+        i = request.num_hashed_blocks
+        if i >= num_full:
+            return
+        parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else NO_HASH
+        for i in range(request.num_hashed_blocks, num_full):
+            block = self.blocks[request.block_ids[i]]
+            tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])
+            parent = page_hash(parent, tokens)
+            block.hash, block.token_ids = parent, tokens
+            self._hash_to_block.setdefault(parent, block.block_id)
+        request.num_hashed_blocks = num_full

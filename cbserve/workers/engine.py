@@ -1,0 +1,279 @@
+"""EngineCore: one `step()` = schedule, run the model, sample, update the requests.
+
+It knows nothing of threads, HTTP or Ray; the manager and `generate_batch` drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from cbserve.config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_REQUESTS,
+    MIN_AUTO_BATCH_TOKENS,
+    ContinuousBatchingConfig,
+)
+from cbserve.kernels import paged_attention
+from cbserve.outputs import FinishReason, RequestStatus
+from cbserve.scheduler.request import Request, SamplingParams
+from cbserve.scheduler.scheduler import Scheduler
+from cbserve.workers.block_manager import BlockManager
+from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
+from cbserve.workers.model_runner import ModelRunner
+from cbserve.workers.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# Share of free memory the KV cache takes by default: host memory on a CPU is shared with
+# everything else on the machine, so it gets a smaller default than an accelerator's.
+DEFAULT_MEMORY_PERCENT = {"cuda": 0.9, "cpu": 0.2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    sliding_windows: tuple[int | None, ...]  # per layer
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelShape:
+        cfg = model.config.get_text_config()
+        num_layers = cfg.num_hidden_layers
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        else:
+            windows = (window,) * num_layers
+        return cls(
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            max_context=getattr(cfg, "max_position_embeddings", None) or 2**31,
+            sliding_windows=windows,
+        )
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(w is not None for w in self.sliding_windows)
+
+
+def eos_set(eos: int | list[int] | None) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig | None = None,
+        config: ContinuousBatchingConfig | None = None,
+        max_total_tokens_hint: int | None = None,
+        num_requests_hint: int | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config or ContinuousBatchingConfig()
+        self.generation_config = generation_config or model.generation_config
+        self.shape = ModelShape.from_model(model)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+        cfg = self.config
+        self.max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        page_size = cfg.page_size
+        num_blocks = cfg.num_blocks or self._auto_num_blocks(max_total_tokens_hint, num_requests_hint)
+        self.cache = PagedKVCache(
+            self.shape.num_layers, num_blocks, page_size, self.shape.num_kv_heads,
+            self.shape.head_dim, self.dtype, self.device,
+        )
+        prefix_caching = cfg.allow_block_sharing and not self.shape.has_sliding_layers
+        if cfg.allow_block_sharing and not prefix_caching:
+            logger.info("prefix caching off: the model has sliding-window layers")
+        self.block_manager = BlockManager(num_blocks, page_size, prefix_caching)
+        max_requests = cfg.max_requests_per_batch or num_requests_hint or DEFAULT_MAX_REQUESTS
+        max_requests = max(1, min(max_requests, self.max_batch_tokens, num_blocks))
+        self.scheduler = Scheduler(
+            self.block_manager, self.max_batch_tokens, max_requests, cfg.scheduler,
+            cfg.resolved_safety_margin,
+        )
+        paged_attention.register()
+        self._previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(paged_attention.ATTENTION_NAME)
+        self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler(cfg.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens_computed = 0
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests=%d",
+            num_blocks, page_size, self.cache.nbytes / 2**20, self.max_batch_tokens, max_requests,
+        )
+
+    def _auto_num_blocks(self, max_total_tokens_hint: int | None, num_requests_hint: int | None) -> int:
+        s, cfg = self.shape, self.config
+        per_block = PagedKVCache.bytes_per_block(s.num_layers, cfg.page_size, s.num_kv_heads, s.head_dim,
+                                                 self.dtype)
+        share = cfg.max_memory_percent or DEFAULT_MEMORY_PERCENT.get(self.device.type, 0.9)
+        # The batch's input buffers (hidden states, float32 logits) come out of the budget first.
+        buffers = self.max_batch_tokens * 64 * 1024 + (num_requests_hint or 256) * s.vocab_size * 4
+        budget = max(available_memory_bytes(self.device) * share - buffers, per_block)
+        blocks = int(budget // per_block)
+        if max_total_tokens_hint is not None:  # a known workload never needs more than this
+            blocks = min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
+        if blocks * cfg.page_size < MIN_AUTO_BATCH_TOKENS:
+            raise ValueError(f"the KV cache budget fits only {blocks} pages; raise max_memory_percent")
+        return blocks
+
+    def release_model(self) -> None:
+        """Give the model back its own attention implementation."""
+        self.model.set_attn_implementation(self._previous_attn)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.num_blocks * self.cache.page_size
+
+    def make_request(
+        self,
+        input_ids: list[int],
+        request_id: str,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Validate a request at the boundary; every error names the argument and its range."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        vocab = self.shape.vocab_size
+        for t in input_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"input_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+        gc = self.generation_config
+        if max_new_tokens is None:
+            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        total = len(input_ids) + max_new_tokens
+        if total > self.shape.max_context:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.shape.max_context} tokens"
+            )
+        if total > self.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"KV cache's {self.capacity_tokens} tokens (num_blocks * page_size)"
+            )
+        eos = eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id)
+        return Request(
+            request_id=request_id,
+            prompt_ids=list(input_ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+            sampling=sampling or self.default_sampling(),
+            streaming=streaming,
+            return_logprobs=self.config.return_logprobs,
+        )
+
+    def default_sampling(self) -> SamplingParams:
+        gc = self.generation_config
+        return SamplingParams(
+            do_sample=bool(gc.do_sample),
+            temperature=gc.temperature if gc.temperature is not None else 1.0,
+            top_k=gc.top_k or 0,
+            top_p=gc.top_p if gc.top_p is not None else 1.0,
+            seed=None,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def cancel_request(self, request_id: str) -> Request | None:
+        """Stop a live request now and free its pages; None when unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.remove(request)
+        request.finish(RequestStatus.CANCELLED, FinishReason.CANCELLED)
+        return request
+
+    def fail_all(self, error: BaseException) -> list[Request]:
+        """Fail every live request (hard stop, crash), freeing their pages."""
+        failed = list(self.requests.values())
+        for request in failed:
+            self.scheduler.remove(request)
+            request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
+        self.requests.clear()
+        return failed
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one forward pass; returns the requests that got a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_work and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
+            return []
+        logits, sampled = self.runner.forward(batch)
+        for s in batch:
+            s.request.num_computed += s.num_query_tokens
+            if s.request.status == RequestStatus.PREFILLING and s.sample:
+                s.request.status = RequestStatus.DECODING
+            self.block_manager.register_full_pages(s.request)
+            if not s.request.generated:
+                self.prompt_tokens_computed += s.num_query_tokens
+        self.num_steps += 1
+        if not sampled:
+            return []
+        requests = [s.request for s in sampled]
+        tokens, logprobs = self.sampler(
+            logits, [r.sampling for r in requests], [r.generator for r in requests],
+            self.config.return_logprobs,
+        )
+        for i, request in enumerate(requests):
+            request.append_token(tokens[i], logprobs[i] if logprobs is not None else None)
+            self.generated_tokens += 1
+            reason = request.stop_reason()
+            if reason is not None:
+                self.scheduler.remove(request)
+                del self.requests[request.request_id]
+                request.finish(RequestStatus.FINISHED, reason)
+        return requests
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "total_pages": self.block_manager.num_blocks,
+            "free_pages": self.block_manager.num_free,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "generated_tokens": self.generated_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+        }

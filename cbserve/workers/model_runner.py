@@ -1,0 +1,97 @@
+"""Turns a scheduled batch into one packed forward pass of the `transformers` model."""
+
+from __future__ import annotations
+
+import torch
+
+from cbserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+from cbserve.scheduler.scheduler import ScheduledRequest
+from cbserve.workers.kv_cache import PagedKVCache
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.device = cache.device
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        return table[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def prepare(self, batch: list[ScheduledRequest]) -> tuple[dict, list[ScheduledRequest]]:
+        """Packed inputs with decode rows first; returns the forward kwargs and the requests
+        whose last logits are sampled, in the order of the logits rows."""
+        def is_decode(s: ScheduledRequest) -> bool:
+            return s.num_query_tokens == 1 and s.sample and s.request.num_computed > 0
+
+        decodes = [s for s in batch if is_decode(s)]
+        prefills = [s for s in batch if not is_decode(s)]
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+
+        decode_slots = decode_lens = None
+        if decodes:
+            lens = [s.request.num_computed + 1 for s in decodes]
+            max_len = max(lens)
+            max_pages = -(-max_len // self.page_size)
+            table = torch.zeros(len(decodes), max_pages, dtype=torch.int64)
+            for i, s in enumerate(decodes):
+                ids = s.request.block_ids[:max_pages]
+                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                input_ids.append(s.request.tokens[s.request.num_computed])
+            decode_lens = torch.tensor(lens)
+            kv_pos = torch.arange(max_len)
+            decode_slots = table[:, kv_pos // self.page_size] * self.page_size + kv_pos % self.page_size
+            decode_slots = decode_slots.masked_fill(kv_pos[None, :] >= decode_lens[:, None], 0)
+            positions.append(decode_lens - 1)
+            slot_parts.append(decode_slots.gather(1, (decode_lens - 1)[:, None]).squeeze(1))
+            sample_rows.extend(range(len(decodes)))
+            sampled.extend(decodes)
+
+        chunks: list[PrefillChunk] = []
+        row = len(decodes)
+        for s in prefills:
+            req, n = s.request, s.num_query_tokens
+            start = req.num_computed
+            input_ids.extend(req.tokens[start : start + n])
+            positions.append(torch.arange(start, start + n))
+            kv_slots = self._slots(req.block_ids, 0, start + n)
+            slot_parts.append(kv_slots[start:])
+            chunks.append(PrefillChunk(row, row + n, start, kv_slots if start > 0 else None))
+            row += n
+            if s.sample:
+                sample_rows.append(row - 1)
+                sampled.append(s)
+
+        meta = AttentionMetadata(
+            k_caches=self.cache.k,
+            v_caches=self.cache.v,
+            slot_mapping=torch.cat(slot_parts).to(self.device),
+            num_decodes=len(decodes),
+            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
+            decode_context_lens=decode_lens,
+            prefills=chunks,
+        )
+        kwargs = dict(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.cat(positions)[None].to(self.device),
+            logits_to_keep=torch.tensor(sample_rows, device=self.device),
+            cb_meta=meta,
+            use_cache=False,
+        )
+        return kwargs, sampled
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+        """Logits [num_sampled, vocab] in float32 for the requests that sample this step."""
+        kwargs, sampled = self.prepare(batch)
+        if not sampled:
+            kwargs["logits_to_keep"] = torch.tensor([0], device=self.device)
+        logits = self.model(**kwargs).logits[0]
+        return logits.float(), sampled
