@@ -6,6 +6,7 @@ It knows nothing of threads, HTTP or Ray; the manager and `generate_batch` drive
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,7 @@ class EngineCore:
         self.num_steps = 0
         self.generated_tokens = 0
         self.prompt_tokens_computed = 0
+        LIVE_ENGINES.add(self)
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests=%d",
             num_blocks, page_size, self.cache.nbytes / 2**20, self.max_batch_tokens, max_requests,
@@ -133,10 +135,10 @@ class EngineCore:
         buffers = self.max_batch_tokens * 64 * 1024 + (num_requests_hint or 256) * s.vocab_size * 4
         budget = max(available_memory_bytes(self.device) * share - buffers, per_block)
         blocks = int(budget // per_block)
-        if max_total_tokens_hint is not None:  # a known workload never needs more than this
-            blocks = min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
         if blocks * cfg.page_size < MIN_AUTO_BATCH_TOKENS:
             raise ValueError(f"the KV cache budget fits only {blocks} pages; raise max_memory_percent")
+        if max_total_tokens_hint is not None:  # a known workload never needs more than this
+            blocks = min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
         return blocks
 
     def release_model(self) -> None:
@@ -277,3 +279,7 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
         }
+
+
+# Every engine built in this process, so tests can check that pages always come back.
+LIVE_ENGINES: weakref.WeakSet[EngineCore] = weakref.WeakSet()

@@ -1,0 +1,16 @@
+import gc
+
+import pytest
+
+from cbserve.workers.engine import LIVE_ENGINES
+
+
+@pytest.fixture(autouse=True)
+def pages_return_to_total():
+    """After every test, every engine's free pages equal its total: nothing leaks."""
+    yield
+    gc.collect()
+    for engine in list(LIVE_ENGINES):
+        bm = engine.block_manager
+        assert bm.num_free == bm.num_blocks, f"KV pages leaked: {bm.num_free} free of {bm.num_blocks}"
+    LIVE_ENGINES.clear()

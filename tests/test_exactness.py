@@ -1,0 +1,108 @@
+"""Greedy outputs equal `model.generate()` on each prompt alone, token for token, and their
+log-probabilities agree, across architectures, page sizes, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import cbserve
+from cbserve.workers.engine import EngineCore
+from tests.tiny_models import random_prompts, reference_generate, tiny_model
+
+MAX_NEW = 10
+LENGTHS = [1, 2, 7, 16, 33, 64, 100, 150, 300]
+
+
+@functools.cache
+def model_for(arch: str):
+    return tiny_model(arch)
+
+
+@functools.cache
+def reference(arch: str, lengths: tuple[int, ...], max_new: int) -> list[tuple[list[int], list[float]]]:
+    model = model_for(arch)
+    return [reference_generate(model, p, max_new) for p in random_prompts(list(lengths))]
+
+
+def run_engine(model, prompts, cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW):
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+    engine = EngineCore(model, gc, cfg)
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    return requests, engine
+
+
+def assert_matches_reference(requests, refs, tol: float = 1e-6) -> None:
+    for request, (ref_tokens, ref_logprobs) in zip(requests, refs):
+        assert request.generated == ref_tokens, f"{request.request_id}: prompt of {len(request.prompt_ids)}"
+        assert request.logprobs == pytest.approx(ref_logprobs, abs=tol), request.request_id
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("page_size", [4, 16, 256])
+def test_greedy_equals_generate(arch: str, page_size: int) -> None:
+    cfg = cbserve.ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=128, return_logprobs=True,
+                                           num_blocks=-(-4000 // page_size))
+    requests, engine = run_engine(model_for(arch), random_prompts(LENGTHS), cfg)
+    assert_matches_reference(requests, reference(arch, tuple(LENGTHS), MAX_NEW))
+    assert engine.num_steps > 1
+
+
+def test_chunked_prefill_with_tiny_token_budget() -> None:
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, max_batch_tokens=7, return_logprobs=True, num_blocks=300)
+    requests, engine = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
+    assert_matches_reference(requests, reference("llama", tuple(LENGTHS), MAX_NEW))
+
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+def test_preemption_under_a_small_cache(policy: str) -> None:
+    # 24 pages of 16 tokens: the 300-token prompt alone takes 20; others must be preempted.
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=24, max_batch_tokens=64,
+                                           return_logprobs=True, scheduler=policy, allow_block_sharing=False)
+    requests, engine = run_engine(model_for("qwen3"), random_prompts(LENGTHS), cfg)
+    assert_matches_reference(requests, reference("qwen3", tuple(LENGTHS), MAX_NEW))
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_generate_batch_api_and_eos() -> None:
+    model = model_for("llama")
+    prompts = random_prompts([5, 40, 12])
+    refs = reference("llama", (5, 40, 12), 8)
+    eos = refs[1][0][3]  # the 4th greedy token of the second prompt ends it early
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    outs = cbserve.generate_batch(model, prompts, gc, cbserve.ContinuousBatchingConfig(page_size=8),
+                                  progress_bar=False)
+    assert list(outs) == ["req_0", "req_1", "req_2"]
+    for (tokens, _), out in zip(refs, outs.values()):
+        expected = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+        assert out.generated_tokens == expected
+        assert out.status == cbserve.RequestStatus.FINISHED
+        assert out.finish_reason == (cbserve.FinishReason.EOS if eos in tokens else cbserve.FinishReason.LENGTH)
+
+
+def test_broken_attention_is_caught(monkeypatch) -> None:
+    """The comparison can fail: attending without the cached prefix changes the output."""
+    from cbserve.kernels import paged_attention
+
+    original = paged_attention.attend
+
+    def forgetful(q, k, v, mask, scale, softcap=None):
+        k, v = k[..., -q.shape[2]:, :], v[..., -q.shape[2]:, :]  # drop the cached prefix
+        mask = None if mask is None else mask[..., -q.shape[2]:]
+        return original(q, k, v, mask, scale, softcap)
+
+    monkeypatch.setattr(paged_attention, "attend", forgetful)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True)
+    requests, _ = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
+    with pytest.raises(AssertionError):
+        assert_matches_reference(requests, reference("llama", tuple(LENGTHS), MAX_NEW))
