@@ -1,11 +1,15 @@
 """cbserve: a continuous-batching LLM inference engine with a paged KV cache."""
 
-from cbserve.api import generate_batch
+from cbserve.api import continuous_batching, generate_batch, init_continuous_batching
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.manager import ContinuousBatchingManager
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 
 __all__ = [
     "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "continuous_batching",
+    "init_continuous_batching",
     "FinishReason",
     "GenerationOutput",
     "RequestStatus",

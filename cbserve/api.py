@@ -1,14 +1,18 @@
-"""Offline entry point: `generate_batch` blocks until every prompt is done."""
+"""Entry points: `generate_batch` (offline, blocks until every prompt is done) and the
+manager's constructors (online)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.manager import ContinuousBatchingManager
 from cbserve.outputs import GenerationOutput
 from cbserve.workers.engine import EngineCore
 
@@ -44,3 +48,35 @@ def generate_batch(
         return {r.request_id: r.snapshot() for r in requests}
     finally:
         engine.release_model()
+
+
+def init_continuous_batching(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+) -> ContinuousBatchingManager:
+    """Build a manager (not started) owning an engine for `model`."""
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+
+
+@contextmanager
+def continuous_batching(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    persistent_manager: bool = False,
+) -> Iterator[ContinuousBatchingManager]:
+    """A started manager; on exit it is stopped (finishing its work), then destroyed unless
+    `persistent_manager`, in which case it stays on the model for the next context."""
+    manager = getattr(model, "_cbserve_manager", None) if persistent_manager else None
+    if manager is None:
+        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+        if persistent_manager:
+            model._cbserve_manager = manager
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop()
+        if not persistent_manager:
+            manager.destroy()

@@ -137,9 +137,10 @@ class EngineCore:
         blocks = int(budget // per_block)
         if blocks * cfg.page_size < MIN_AUTO_BATCH_TOKENS:
             raise ValueError(f"the KV cache budget fits only {blocks} pages; raise max_memory_percent")
-        if max_total_tokens_hint is not None:  # a known workload never needs more than this
-            blocks = min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
-        return blocks
+        if max_total_tokens_hint is None:  # no workload known: what a full batch could use
+            max_requests = cfg.max_requests_per_batch or num_requests_hint or DEFAULT_MAX_REQUESTS
+            max_total_tokens_hint = max_requests * min(s.max_context, 1 << 16)
+        return min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
 
     def release_model(self) -> None:
         """Give the model back its own attention implementation."""

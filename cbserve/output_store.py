@@ -1,0 +1,102 @@
+"""Outputs waiting for their consumers: each output is taken exactly once, either as "the
+next output of any request" or as "the next output of this request", from threads or from
+asyncio tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+
+from cbserve.outputs import GenerationOutput
+
+
+class OutputStore:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._by_request: dict[str, deque[tuple[int, GenerationOutput]]] = {}
+        self._order: deque[tuple[int, str]] = deque()  # may hold entries already taken by id
+        self._seq = 0
+        self._num_stored = 0
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._discarded: set[str] = set()
+
+    def put(self, output: GenerationOutput) -> None:
+        rid = output.request_id
+        with self._cond:
+            if rid in self._discarded:
+                if output.is_finished():
+                    self._discarded.discard(rid)
+                return
+            self._seq += 1
+            self._by_request.setdefault(rid, deque()).append((self._seq, output))
+            self._order.append((self._seq, rid))
+            self._num_stored += 1
+            self._cond.notify_all()
+            for loop, event in self._async_waiters.pop(rid, []):
+                loop.call_soon_threadsafe(event.set)
+
+    def has_output(self, request_id: str | None = None) -> bool:
+        with self._cond:
+            return self._num_stored > 0 if request_id is None else request_id in self._by_request
+
+    def _pop_locked(self, request_id: str | None) -> GenerationOutput | None:
+        if request_id is not None:
+            queue = self._by_request.get(request_id)
+            if not queue:
+                return None
+            _, output = queue.popleft()
+            if not queue:
+                del self._by_request[request_id]
+            self._num_stored -= 1
+            if len(self._order) > 1024 and len(self._order) > 4 * self._num_stored:
+                self._compact_locked()
+            return output
+        while self._order:
+            seq, rid = self._order.popleft()
+            queue = self._by_request.get(rid)
+            if queue and queue[0][0] == seq:  # else it was already taken by request id
+                return self._pop_locked(rid)
+        return None
+
+    def _compact_locked(self) -> None:
+        live = {seq for queue in self._by_request.values() for seq, _ in queue}
+        self._order = deque(entry for entry in self._order if entry[0] in live)
+
+    def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output (of `request_id` when given); None after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                output = self._pop_locked(request_id)
+                if output is not None:
+                    return output
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    async def get_async(self, request_id: str) -> GenerationOutput:
+        loop = asyncio.get_running_loop()
+        while True:
+            event = asyncio.Event()
+            with self._cond:
+                output = self._pop_locked(request_id)
+                if output is not None:
+                    return output
+                self._async_waiters.setdefault(request_id, []).append((loop, event))
+            await event.wait()
+
+    def discard(self, request_id: str, finished: bool) -> None:
+        """Drop a request's stored outputs, and its future ones unless it already finished."""
+        with self._cond:
+            queue = self._by_request.pop(request_id, None)
+            self._num_stored -= len(queue) if queue else 0
+            self._async_waiters.pop(request_id, None)
+            if not finished:
+                self._discarded.add(request_id)
+
+    def wake_all(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
