@@ -3,6 +3,7 @@
 from cbserve.api import continuous_batching, generate_batch, init_continuous_batching
 from cbserve.config import ContinuousBatchingConfig
 from cbserve.manager import ContinuousBatchingManager
+from cbserve.models import load_model
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "GenerationOutput",
     "RequestStatus",
     "generate_batch",
+    "load_model",
 ]
