@@ -106,12 +106,15 @@ async def run_request(
             streaming=True,
             eos_token_id=info.eos_token_id,
             temperature=req.temperature,
-            top_k=req.top_k or None,
-            top_p=req.top_p if req.top_p < 1.0 else None,
+            top_k=req.top_k,  # explicit: the generation config's defaults must not apply
+            top_p=req.top_p,
             seed=req.seed,
         )
     except ValueError as exc:
         yield _error(400, str(exc), getattr(exc, "param", None))
+        return
+    except RuntimeError as exc:  # the manager is stopping (replica draining or shutting down)
+        yield _error(503, f"this worker is not accepting requests: {exc}")
         return
 
     yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids))

@@ -82,14 +82,13 @@ class PrefixAffinityRouter(RequestRouter):
             key=lambda r: (r.replica_id not in lens, lens.get(r.replica_id, 0), self._kv_usage(r)),
         )
         target = self._affine_replica(_request_hashes(pending_request), by_id)
-        if target is not None and target in lens and lens:
-            shortest = min(lens.values())
-            if lens[target] - shortest <= self._imbalance_threshold:
-                self.num_affinity_routes += 1
-                return [[by_id[target]], by_load]
+        if target is not None and target in lens and lens[target] - min(lens.values()) <= self._imbalance_threshold:
+            self.num_affinity_routes += 1
+            return [[by_id[target]], by_load]
         self.num_load_routes += 1
-        least = [r for r in by_load if r.replica_id in lens and lens[r.replica_id] == lens[by_load[0].replica_id]]
-        return [least or by_load[:1], by_load]
+        # The least loaded alone first (Serve would break ties in probe-completion order), then
+        # the rest in order of load, in case it refuses (full).
+        return [by_load[:1], by_load]
 
     # -- learning -----------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""`build_app(args)`: the Serve application of `ray_config.yaml` (`import_path: cbserve.cluster.app:build_app`).
+
+    ingress (FastAPI + gRPC)  --handle, PrefixAffinityRouter-->  LLMWorker replicas (one manager each)
+            \\--> StatsBoard <-- workers push their engine stats
+
+Every field of `args` is documented on `ClusterArgs` (`settings.py`) and in the README.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cbserve.cluster.ingress import OpenAIIngress
+from cbserve.cluster.ingress import app as fastapi_app
+from cbserve.cluster.settings import ClusterArgs
+from cbserve.cluster.stats_board import StatsBoard
+from cbserve.cluster.worker import LLMWorker
+
+logger = logging.getLogger(__name__)
+
+ROUTER_CLASS = "cbserve.cluster.router:PrefixAffinityRouter"
+DEFAULT_ROUTER_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+
+
+def worker_options(args: ClusterArgs) -> dict[str, Any]:
+    w, routing = args.worker, args.routing
+    router = RequestRouterConfig(
+        request_router_class=ROUTER_CLASS if routing.enabled else DEFAULT_ROUTER_CLASS,
+        request_router_kwargs=(
+            {"imbalance_threshold": routing.imbalance_threshold, "table_size": routing.table_size}
+            if routing.enabled else {}
+        ),
+        request_routing_stats_period_s=routing.stats_period_s,
+        request_routing_stats_timeout_s=max(routing.stats_period_s, 5.0),
+    )
+    opts: dict[str, Any] = {
+        "name": "LLMWorker",
+        "max_ongoing_requests": w.max_ongoing_requests,
+        "graceful_shutdown_wait_loop_s": w.graceful_shutdown_wait_loop_s,
+        "graceful_shutdown_timeout_s": w.graceful_shutdown_timeout_s,
+        "health_check_period_s": w.health_check_period_s,
+        "request_router_config": router,
+    }
+    if w.autoscaling is not None:
+        opts["autoscaling_config"] = dict(w.autoscaling)
+    else:
+        opts["num_replicas"] = w.num_replicas
+    resources = {"CPU": w.num_cpus, "GPU": w.num_gpus}
+    if args.tp_size == 1:
+        opts["ray_actor_options"] = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus}
+    else:
+        # One bundle per tensor-parallel rank, packed on one node; the replica actor takes the
+        # first bundle and starts the other ranks in the rest.
+        bundle = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
+        opts["placement_group_bundles"] = [dict(bundle) for _ in range(args.tp_size)]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+        opts["ray_actor_options"] = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus}
+    return opts
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    cfg = ClusterArgs(**(args or {}))
+    plain = cfg.model_dump(mode="json")
+    board = serve.deployment(StatsBoard).options(
+        name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+    ).bind()
+    worker = serve.deployment(LLMWorker).options(**worker_options(cfg)).bind(plain, board)
+    ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
+    ingress = serve.deployment(ingress_cls).options(
+        name="OpenAIIngress",
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000,
+    ).bind(worker, board, plain)
+    logger.info("cbserve app: model %s, tp_size %d, worker %s", cfg.model_name, cfg.tp_size,
+                cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)")
+    return ingress

@@ -1,0 +1,233 @@
+"""The ingress deployment: the OpenAI HTTP API (FastAPI) and the gRPC `Generate` call.
+
+HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`. Every refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
+`protos/generate.proto`, reached through Serve's gRPC proxy, which calls the method of the same
+name here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cbserve.cluster.errors import APIError
+from cbserve.cluster.metrics import ServingMetrics
+from cbserve.cluster.openai_service import ChoiceStream, OpenAIService, Reply
+from cbserve.cluster.protocol import WorkerRequest
+from cbserve.cluster.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cbserve.cluster.settings import ClusterArgs
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-cbserve-replica"
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+app = FastAPI(title="cbserve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    return f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param
+
+
+def _open_error(exc: BaseException) -> APIError:
+    """A failure to reach a worker, as the client should see it."""
+    if isinstance(exc, APIError):
+        return exc
+    logger.warning("worker call failed: %r", exc)
+    return APIError(503, f"no worker could serve the request: {type(exc).__name__}")
+
+
+class OpenAIIngress:
+    """Serve ingress. Wrapped with `serve.ingress(app)` and `serve.deployment` in `app.py`."""
+
+    def __init__(self, worker: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
+        self.args = ClusterArgs(**args)
+        self._worker = worker
+        self._stream_worker = worker.options(stream=True, method_name="generate")
+        self._board = board
+        self._api_key = self.args.resolved_api_key()
+        self.metrics = ServingMetrics(self.args.model_name)
+        self.service = OpenAIService(self.args, self._open_choice, self.metrics)
+        if self._api_key is None:
+            self._warn_if_exposed()
+
+    def _warn_if_exposed(self) -> None:
+        try:
+            import ray
+            from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+            host = ray.get(controller.get_http_config.remote(), timeout=10).host
+        except Exception:  # noqa: BLE001 - the warning is advisory; never fail startup over it
+            host = None
+        if host not in LOOPBACK_HOSTS:
+            logger.warning(
+                "No API key is set (args.api_key or $CBSERVE_API_KEY) and HTTP is bound to %r: "
+                "anyone who can reach it can use the model.", host
+            )
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
+        gen = self._stream_worker.remote(wreq)
+        try:
+            first = await gen.__anext__()
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except StopAsyncIteration:
+            raise APIError(500, "the worker closed the stream before accepting the request") from None
+        except Exception as exc:
+            gen.cancel()
+            raise _open_error(exc) from exc
+        if first.kind == "error":
+            raise APIError(first.status or 500, first.message, first.param)
+        return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
+
+    def _authorized(self, presented: str | None) -> bool:
+        if self._api_key is None:
+            return True
+        if not presented or not presented.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(presented[len("Bearer "):].strip().encode(), self._api_key.encode())
+
+    def _check_auth(self, request: Request) -> None:
+        if not self._authorized(request.headers.get("authorization")):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                           code="invalid_api_key")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.args.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"request body is larger than the limit of {limit} bytes", code="body_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+
+    def _error(self, exc: APIError) -> JSONResponse:
+        self.metrics.http_errors.labels(self.metrics.model_name, str(exc.status)).inc()
+        return exc.response()
+
+    async def _serve(self, request: Request, schema: type, run: Any) -> Response:
+        arrival = time.perf_counter()
+        try:
+            self._check_auth(request)
+            data = await self._read_json(request)
+            try:
+                req = schema.model_validate(data)
+            except ValidationError as exc:
+                message, param = _validation_message(exc)
+                raise APIError(400, message, param) from None
+            reply: Reply = await run(req, arrival)
+        except APIError as exc:
+            return self._error(exc)
+        except Exception as exc:
+            logger.exception("unexpected error serving %s", request.url.path)
+            return self._error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        headers = {REPLICA_HEADER: ",".join(reply.replicas)}
+        if reply.stream is not None:
+            headers["Cache-Control"] = "no-cache"
+            return StreamingResponse(reply.stream, media_type="text/event-stream", headers=headers)
+        return JSONResponse(reply.body.model_dump(), headers=headers)
+
+    # -- HTTP routes ----------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, self.service.complete)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, self.service.chat)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except APIError as exc:
+            return self._error(exc)
+        card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self._worker.ping.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return APIError(503, f"no worker replica answers: {type(exc).__name__}").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        snapshot = None
+        if self._board is not None:
+            try:
+                snapshot = await asyncio.wait_for(self._board.snapshot.remote(), timeout=5)
+            except Exception as exc:  # noqa: BLE001 - serve the ingress's own metrics anyway
+                logger.warning("could not read worker stats for /metrics: %r", exc)
+        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- gRPC -----------------------------------------------------------------------------------
+
+    async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        from cbserve.cluster import grpc_service
+        from cbserve.cluster.protos import generate_pb2
+
+        metadata = dict(grpc_context.invocation_metadata() or [])
+        try:
+            if not self._authorized(metadata.get("authorization")):
+                raise APIError(401, "Incorrect or missing API key: send metadata `authorization: Bearer <key>`.")
+            wreq = grpc_service.to_worker_request(request, self.service)
+            stream = await self._open_choice(wreq)
+        except APIError as exc:
+            grpc_context.set_code(grpc_service.grpc_status(exc.status))
+            grpc_context.set_details(exc.message)
+            return
+        timer = self.metrics.timer(time.perf_counter())
+        try:
+            yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,
+                                                replica=stream.start.replica or "")
+            async for ev in stream.events:
+                if ev.kind == "delta":
+                    timer.on_tokens(len(ev.token_ids))
+                    yield grpc_service.delta_message(ev)
+                elif ev.kind == "end" and ev.finish_reason != "abort":
+                    timer.on_end(stream.start.prompt_tokens, ev.finish_reason or "stop")
+                    yield generate_pb2.GenerateResponse(finish_reason=ev.finish_reason or "stop",
+                                                        completion_tokens=ev.completion_tokens)
+                    return
+                else:
+                    grpc_context.set_code(grpc.StatusCode.UNAVAILABLE if ev.kind == "end"
+                                          else grpc_service.grpc_status(ev.status))
+                    grpc_context.set_details(ev.message or "the request was cancelled by the server")
+                    return
+        finally:
+            stream.cancel()

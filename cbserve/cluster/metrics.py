@@ -1,0 +1,122 @@
+"""Prometheus metrics of the ingress, with vLLM's names where vLLM has the metric.
+
+Latency histograms and token counters are measured in the ingress, per choice. Engine state
+(requests running and waiting, KV usage, prefix-cache hits) comes from the workers' latest
+stats on the `StatsBoard`, one series per worker replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class WorkerStatsCollector:
+    """Turns the stats board's snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, model_name: str):
+        self._model_name = model_name
+        self.snapshot: dict[str, dict[str, Any]] = {}
+
+    def describe(self) -> list[Metric]:
+        return []  # the series are only known at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "replica"]
+
+        def gauge(name: str, doc: str, key: Any) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for replica, s in self.snapshot.items():
+                g.add_metric([self._model_name, replica], float(key(s)))
+            return g
+
+        def counter(name: str, doc: str, key: Any) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            for replica, s in self.snapshot.items():
+                c.add_metric([self._model_name, replica], float(key(s)))
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the engine's batch.", lambda s: s.get("running", 0))
+        yield gauge("vllm:num_requests_waiting", "Requests queued in the engine.", lambda s: s.get("waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", kv_usage)
+        yield gauge("cbserve:kv_pages_total", "KV pages of the replica.", lambda s: s.get("total_pages", 0))
+        yield gauge("cbserve:kv_pages_free", "Free KV pages of the replica.", lambda s: s.get("free_pages", 0))
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            lambda s: s.get("prefix_hit_tokens", 0) + s.get("prompt_tokens_computed", 0),
+        )
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      lambda s: s.get("prefix_hit_tokens", 0))
+        replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
+                                     labels=["model_name"])
+        replicas.add_metric([self._model_name], float(len(self.snapshot)))
+        yield replicas
+
+
+def kv_usage(stats: dict[str, Any]) -> float:
+    total = stats.get("total_pages", 0) or 0
+    return 0.0 if total <= 0 else 1.0 - stats.get("free_pages", 0) / total
+
+
+class ChoiceTimer:
+    """Latency of one choice, from the request's arrival in the ingress."""
+
+    def __init__(self, metrics: ServingMetrics, arrival: float):
+        self._m = metrics
+        self._arrival = arrival
+        self._last: float | None = None
+        self.tokens = 0
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self._last is None:
+            self._m.ttft.labels(self._m.model_name).observe(now - self._arrival)
+        else:
+            self._m.itl.labels(self._m.model_name).observe((now - self._last) / n)
+        self._last = now
+        self.tokens += n
+
+    def on_end(self, prompt_tokens: int, finish_reason: str) -> None:
+        m, name = self._m, self._m.model_name
+        m.e2e.labels(name).observe(time.perf_counter() - self._arrival)
+        m.prompt_tokens.labels(name).inc(prompt_tokens)
+        m.generation_tokens.labels(name).inc(self.tokens)
+        m.request_success.labels(name, finish_reason).inc()
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", lab,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency of a choice.", lab,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", lab, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished choices by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.http_errors = Counter("cbserve:http_errors", "Requests refused, by HTTP status.",
+                                   ["model_name", "status"], registry=r)
+        self.workers = WorkerStatsCollector(model_name)
+        r.register(self.workers)
+
+    def timer(self, arrival: float) -> ChoiceTimer:
+        return ChoiceTimer(self, arrival)
+
+    def render(self, worker_snapshot: dict[str, dict[str, Any]] | None) -> bytes:
+        self.workers.snapshot = worker_snapshot or {}
+        return generate_latest(self.registry)

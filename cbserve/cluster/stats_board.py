@@ -1,0 +1,30 @@
+"""A one-replica deployment holding the latest engine stats of every worker replica.
+
+Workers push their `manager.stats()` to it from `record_routing_stats` (which Serve's controller
+calls on every replica every `request_routing_stats_period_s`); the ingress reads it when
+`/metrics` is scraped. Serve routes a handle call to *some* replica, so this is how the
+ingress sees all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class StatsBoard:
+    def __init__(self, max_age_s: float = 30.0):
+        self._max_age_s = max_age_s
+        self._stats: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def report(self, replica: str, stats: dict[str, Any]) -> None:
+        self._stats[replica] = (time.monotonic(), dict(stats))
+
+    def forget(self, replica: str) -> None:
+        self._stats.pop(replica, None)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        for replica in [r for r, (t, _) in self._stats.items() if now - t > self._max_age_s]:
+            del self._stats[replica]  # a replica that stopped reporting is gone
+        return {replica: {**stats, "age_s": now - t} for replica, (t, stats) in self._stats.items()}

@@ -1,0 +1,117 @@
+"""The worker deployment: each replica owns one model and one continuous-batching manager.
+
+`generate` is a streaming method (called with `handle.options(stream=True)`); when the caller
+cancels the call (client gone, timeout), the request is cancelled in the engine and its KV pages
+are freed. On scale-down Serve stops routing to the replica, waits for its ongoing requests
+(`graceful_shutdown_timeout_s`), then calls `__del__`, which stops the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cbserve.cluster.generation import ModelInfo, run_request
+from cbserve.cluster.metrics import kv_usage
+from cbserve.cluster.offload import offload_share_gib
+from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
+from cbserve.cluster.settings import ClusterArgs
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    return eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+
+
+def max_replicas(args: ClusterArgs) -> int:
+    auto = args.worker.autoscaling
+    return int(auto.get("max_replicas", 1)) if auto else args.worker.num_replicas
+
+
+def per_replica_resources(args: ClusterArgs) -> dict[str, float]:
+    w = args.worker
+    return {"CPU": w.num_cpus * args.tp_size, "GPU": w.num_gpus * args.tp_size}
+
+
+class LLMWorker:
+    """Wrapped with `serve.deployment` in `app.py` (options come from `ClusterArgs`)."""
+
+    def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
+        import torch
+        from transformers import GenerationConfig
+
+        import cbserve
+
+        self.args = ClusterArgs(**args)
+        self._board = board
+        try:
+            self.replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - constructed outside Serve (tests)
+            self.replica = "local"
+        model, self.tokenizer = cbserve.load_model(name_or_path=self.args.model, dtype=getattr(torch, self.args.dtype))
+        engine = dict(self.args.engine)
+        engine.update(
+            per_request_processors=True,
+            return_logprobs=True,
+            tp_size=self.args.tp_size,
+            cpu_offload_space=offload_share_gib(
+                self.args.cpu_offload, per_replica_resources(self.args), max_replicas(self.args)
+            ),
+        )
+        eos = _eos_ids(model, self.tokenizer)
+        self.manager = cbserve.init_continuous_batching(
+            model,
+            generation_config=GenerationConfig(max_new_tokens=self.args.generation.max_tokens, eos_token_id=eos),
+            continuous_batching_config=cbserve.ContinuousBatchingConfig(**engine),
+        )
+        self.manager.start()
+        self.info = ModelInfo(
+            eos_token_id=eos,
+            max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
+            vocab_size=int(model.config.vocab_size),
+            default_max_tokens=self.args.generation.max_tokens,
+        )
+        logger.info("worker replica %s ready: %s", self.replica, self.args.model_name)
+
+    async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
+        async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica):
+            yield ev
+
+    def ping(self) -> str:
+        return self.replica
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.manager.stats(), "replica": self.replica}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve's controller; also pushes the full stats to the stats board."""
+        s = self.stats()
+        if self._board is not None:
+            self._board.report.remote(self.replica, s)
+        return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s)}
+
+    def check_health(self) -> None:
+        self.manager.stats()  # raises if the engine is broken
+
+    def __del__(self) -> None:
+        manager = getattr(self, "manager", None)
+        if manager is None:
+            return
+        logger.info("worker replica %s shutting down", self.replica)
+        if self._board is not None:
+            try:
+                self._board.forget.remote(self.replica)
+            except Exception as exc:  # noqa: BLE001 - the board drops stale replicas anyway
+                logger.debug("could not remove %s from the stats board: %r", self.replica, exc)
+        try:
+            manager.stop(timeout=self.args.worker.graceful_shutdown_timeout_s)
+        finally:
+            manager.destroy()
+            self.manager = None

@@ -1,0 +1,94 @@
+"""Helpers for the cluster tests: a tiny random-weight model and tokenizer, built offline.
+
+Imported by `tests/test_cluster*.py` (pytest puts `tests/` on `sys.path`). Nothing here
+downloads anything: the tokenizer is a word-level vocabulary trained in-process.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Words with multi-byte characters so that incremental detokenization is exercised.
+WORDS = ["the", "a", "an", "of", "to", "in", "is", "was", "for", "on", "with", "as", "by", "at", "from", "that", "this", "it", "be", "are", "or", "not", "but", "capital", "france", "paris", "sea", "wave", "haiku", "batch", "token", "cache", "page", "model", "engine", "request", "reply", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "hello", "world", "user", "assistant", "system", "café", "naïve", "über", "日本", "東京", "ünïcödé", "🙂", "∑", "½", "—", "é"]
+
+
+def build_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """Save a 2-layer random Llama and a word-level tokenizer with a chat template to `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    # Byte-level BPE, like most LLM tokenizers: multi-byte characters span several tokens, so
+    # streamed text must be detokenized incrementally.
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    core.train_from_iterator(corpus, trainer=trainer)
+    vocab = core.get_vocab()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=vocab["<|endoftext|>"],
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits so greedy choices are not near-ties
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config = GenerationConfig(
+        eos_token_id=vocab["<|im_end|>"], bos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"]
+    )
+    model.save_pretrained(folder)
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, built once per test session (under pytest's base temp folder)."""
+    folder = tmp_path_factory.getbasetemp() / "cbserve-tiny-model"
+    if not (folder / "config.json").exists():
+        build_tiny_model(folder)
+    return folder
