@@ -87,7 +87,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query per request ``q`` ``[B, H, D]`` at position ``context_lens[b] - 1``; returns ``[B, H, D]``."""
+    """One query per request (``q`` ``[B, H, D]``) at position ``context_lens[b] - 1``; out ``[B, H, D]``."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         out[b] = _attend_one_request(

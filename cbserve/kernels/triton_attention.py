@@ -53,8 +53,9 @@ if TRITON_AVAILABLE:
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H)[:, None]
+        # The slot, loaded as a [BLOCK_H, 1] column: the interpreter rejects masks built from a scalar.
+        slot = tl.load(slot_ptr + t + h * 0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < head_dim) & (slot >= 0)  # slot -1: padding, store nothing
         block = slot // page_size
@@ -66,6 +67,21 @@ if TRITON_AVAILABLE:
         v_dst = v_cache_ptr + block * stride_vcb + off * stride_vcp + h * stride_vch + d * stride_vcd
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    # tl.max / tl.sum / tl.zeros are themselves @jit functions of triton's standard library: when triton
+    # was imported before TRITON_INTERPRET=1 was set, the interpreter cannot call them. So reductions
+    # call tl.reduce directly (what tl.max / tl.sum do) with the standard library's combine functions,
+    # which the interpreter recognises and runs as numpy reductions; our own copies are the fallback.
+    @triton.jit
+    def _max_combine_fallback(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _add_combine_fallback(a, b):
+        return a + b
+
+    _max_combine = getattr(tl.standard, "_elementwise_max", _max_combine_fallback)
+    _add_combine = getattr(tl.standard, "_sum_combine", _add_combine_fallback)
 
     @triton.jit
     def _softcap(s, softcap):
@@ -79,28 +95,39 @@ if TRITON_AVAILABLE:
         stride_kb, stride_kp, stride_kh, stride_kd,
         stride_vb, stride_vp, stride_vh, stride_vd,
         page_size, qk_scale, softcap,
-        HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ):  # fmt: skip
         """One online-softmax step of a [ROWS, D] query tile over the KV tokens ``n`` ([BLOCK_N])."""
-        n_ok = tl.max(visible.to(tl.int32), axis=0) > 0  # tokens at least one row may see
+        n_ok = tl.reduce(visible.to(tl.int32), 0, _max_combine) > 0  # tokens at least one row may see
         page = tl.load(bt_row_ptr + n // page_size, mask=n_ok, other=0).to(tl.int64)
         off = (n % page_size).to(tl.int64)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k_off = page * stride_kb + off * stride_kp + kvh * stride_kh
         k = tl.load(k_cache_ptr + k_off[:, None] + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        k = k.to(q.dtype)
+        if DOT_UPCAST:  # interpreter only: its tl.dot multiplies bf16 bit patterns as integers
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = s * qk_scale
         if HAS_SOFTCAP:
             s = _softcap(s, softcap)
         s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # base-2 logits from here on
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         # Rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         v_off = page * stride_vb + off * stride_vp + kvh * stride_vh
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_in = p.to(q.dtype)  # P rounded to the input dtype for the PV dot, as flash-attention does
+        v = v.to(q.dtype)
+        if DOT_UPCAST:
+            pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p_in, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
         return acc, m_new, l_i
 
     @triton.jit
@@ -115,6 +142,7 @@ if TRITON_AVAILABLE:
         qk_scale, softcap, window, page_size, head_dim, group, num_heads, partition_size, num_splits,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        DOT_UPCAST: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -137,8 +165,8 @@ if TRITON_AVAILABLE:
             other=0.0,
         )
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        l_i = tl.full([ROWS], 0.0, tl.float32)
+        acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
         bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_btb
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -146,7 +174,7 @@ if TRITON_AVAILABLE:
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, n, visible, bt_row_ptr, k_cache_ptr, v_cache_ptr, kvh, d, d_ok,
                 stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-                page_size, qk_scale, softcap, HAS_SOFTCAP, DOT_PRECISION,
+                page_size, qk_scale, softcap, HAS_SOFTCAP, DOT_PRECISION, DOT_UPCAST,
             )  # fmt: skip
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # empty partition: output 0, lse -inf
         out = acc / l_safe[:, None]
@@ -176,13 +204,13 @@ if TRITON_AVAILABLE:
         base = (b * num_heads + h) * num_splits
         lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
         # Split 0 holds the query's own token, so the max is finite unless the context is empty.
-        m = tl.max(lse, axis=0)
+        m = tl.reduce(lse, 0, _max_combine)
         w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-        w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+        w = w / tl.maximum(tl.reduce(w, 0, _add_combine), 1e-30)
         parts = tl.load(
             part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0
         )
-        out = tl.sum(parts * w[:, None], axis=0)
+        out = tl.reduce(parts * w[:, None], 0, _add_combine)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
                  mask=d < head_dim)  # fmt: skip
 
@@ -197,7 +225,7 @@ if TRITON_AVAILABLE:
         qk_scale, softcap, window, page_size, head_dim, group, num_seqs,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ):  # fmt: skip
         # Program i covers query block i - (cu_seqlens_q[b] // BLOCK_M + b) of request b: a grid of
         # T // BLOCK_M + B programs covers every request without knowing max q_len on the host.
@@ -237,8 +265,8 @@ if TRITON_AVAILABLE:
         if HAS_WINDOW:
             kv_start = tl.maximum(first_pos - window + 1, 0)
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
+        l_i = tl.full([BLOCK_M * GROUP_PAD], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M * GROUP_PAD, BLOCK_D], 0.0, tl.float32)
         bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_btb
         for n0 in range(kv_start, kv_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -248,7 +276,7 @@ if TRITON_AVAILABLE:
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, n, visible, bt_row_ptr, k_cache_ptr, v_cache_ptr, kvh, d, d_ok,
                 stride_kb, stride_kp, stride_kh, stride_kd, stride_vb, stride_vp, stride_vh, stride_vd,
-                page_size, qk_scale, softcap, HAS_SOFTCAP, DOT_PRECISION,
+                page_size, qk_scale, softcap, HAS_SOFTCAP, DOT_PRECISION, DOT_UPCAST,
             )  # fmt: skip
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -279,6 +307,12 @@ def _pow2(n: int, minimum: int = 1) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: full-precision dots (no tf32), so results match the reference to ~1e-5.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(dtype: torch.dtype) -> bool:
+    # Triton's interpreter (3.x) stores bf16 as uint16 and its tl.dot multiplies those integers; upcast
+    # the (already bf16-rounded) operands to fp32 there, which gives the products a GPU computes.
+    return _INTERPRETED and dtype == torch.bfloat16
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -358,7 +392,8 @@ def paged_decode_attention(
         scale, softcap or 0.0, sliding_window or 0, k_cache.shape[1], head_dim, group, num_heads,
         partition, num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=bool(softcap), SPLIT=split,
-        ROWS=_pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        ROWS=_pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype),
     )  # fmt: skip
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -407,6 +442,6 @@ def varlen_paged_attention(
         scale, softcap or 0.0, sliding_window or 0, k_cache.shape[1], head_dim, group, num_seqs,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=bool(softcap),
         BLOCK_M=block_m, GROUP_PAD=group_pad, BLOCK_N=_pow2(block_n, 16), BLOCK_D=_pow2(head_dim, 16),
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype),
     )  # fmt: skip
     return out
