@@ -46,9 +46,13 @@ class ContinuousBatchingManager:
         self.engine = EngineCore(model, generation_config, continuous_batching_config)
         self.config = self.engine.config
         self._outputs = OutputStore()
-        self._cond = threading.Condition()
+        # An RLock: cancel_request may be called with it held (async_request_iter).
+        self._cond = threading.Condition(threading.RLock())
         self._inbox: list[tuple[str, object]] = []
-        self._live: set[str] = set()  # accepted and not yet final
+        # Accepted and without a final output yet. A request leaves this dict in the same
+        # critical section that stores its final output, so "not live and nothing stored"
+        # means its outputs were all handed out.
+        self._live: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stopping = False
@@ -61,9 +65,15 @@ class ContinuousBatchingManager:
     def start(self) -> None:
         if self._destroyed:
             raise RuntimeError("this manager was destroyed and cannot be restarted")
-        if self.is_running():
-            return
-        self._accepting, self._stopping, self._hard_stop = True, False, False
+        with self._cond:
+            if self.is_running() and not self._stopping:
+                return
+        if self._thread is not None:  # a stop(timeout=...) that had not finished yet
+            self._thread.join()
+            self._thread = None
+        with self._cond:
+            self._accepting, self._stopping, self._hard_stop = True, False, False
+        self.error = None
         self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
         self._thread.start()
 
@@ -84,8 +94,8 @@ class ContinuousBatchingManager:
                 logger.warning("batching loop still running after stop(timeout=%s)", timeout)
                 return
             self._thread = None
-        if hard_stop:  # requests added while no thread ran
-            self._fail_inbox(RuntimeError("the manager was hard-stopped"))
+        if hard_stop:  # no loop runs now: fail whatever it left (nothing, unless it died)
+            self._fail_everything(RuntimeError("the manager was hard-stopped"))
 
     def destroy(self) -> None:
         """Hard-stop if running and free the KV cache; the manager cannot be restarted."""
@@ -113,35 +123,55 @@ class ContinuousBatchingManager:
         top_p: float | None = None,
         seed: int | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Bad input raises ValueError here."""
-        sampling = self._sampling(temperature, top_k, top_p, seed)
-        request_id = request_id if request_id is not None else f"req_{uuid.uuid4().hex[:12]}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        with self._cond:
-            if not self._accepting:
-                logger.warning("add_request(%s) refused: the manager is not running", request_id)
-                raise RuntimeError("the manager is stopped: call start() before adding requests")
-            if request_id in self._live:
-                raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-            request = self.engine.make_request(
-                list(input_ids) if not isinstance(input_ids, list) else input_ids, request_id,
-                max_new_tokens, streaming, eos_token_id, sampling,
-            )
-            self._live.add(request_id)
-            self._inbox.append(("add", request))
-            self._cond.notify_all()
-        return request_id
+        """Validate and queue a request; returns its id. Bad input raises ValueError here and
+        queues nothing; a stopped manager raises RuntimeError."""
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        return self._submit([(input_ids, request_id)], max_new_tokens, streaming, eos_token_id, sampling)[0]
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
         """Submit many prompts, those sharing prefixes next to each other (more prefix-cache
-        hits); returns ids in input order."""
+        hits); returns ids in input order. One bad prompt refuses them all."""
         kwargs.pop("request_id", None)
-        order = sorted(range(len(inputs)), key=lambda i: list(inputs[i]))
-        ids: list[str | None] = [None] * len(inputs)
-        for i in order:
-            ids[i] = self.add_request(inputs[i], **kwargs)
-        return ids  # type: ignore[return-value]
+        sampling = {k: kwargs.pop(k, None) for k in ("temperature", "top_k", "top_p", "seed")}
+        return self._submit([(p, None) for p in inputs], kwargs.pop("max_new_tokens", None),
+                            kwargs.pop("streaming", False), kwargs.pop("eos_token_id", None), sampling,
+                            group_prefixes=True, **kwargs)
+
+    def _submit(self, prompts: list[tuple[Sequence[int], str | None]], max_new_tokens: int | None,
+                streaming: bool, eos_token_id: int | list[int] | None, sampling_args: dict,
+                group_prefixes: bool = False, **unexpected) -> list[str]:
+        if unexpected:
+            raise TypeError(f"unexpected arguments: {sorted(unexpected)}")
+        with self._cond:
+            if not self._accepting:
+                given = [rid for _, rid in prompts if rid is not None]
+                logger.warning("add_request refused%s: the manager is %s", f" ({', '.join(given)})" if given else "",
+                               "destroyed" if self._destroyed else "stopped")
+                raise RuntimeError("the manager is stopped: call start() before adding requests")
+            sampling = self._sampling(**sampling_args)
+            requests: list[Request] = []
+            new_ids: set[str] = set()
+            for input_ids, request_id in prompts:
+                if request_id is None:
+                    request_id = f"req_{uuid.uuid4().hex[:12]}"
+                if not isinstance(request_id, str) or not request_id:
+                    raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+                if request_id in self._live or request_id in new_ids:
+                    raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+                if isinstance(input_ids, torch.Tensor):
+                    input_ids = input_ids.tolist()
+                requests.append(self.engine.make_request(
+                    list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
+                    max_new_tokens, streaming, eos_token_id, sampling,
+                ))
+                new_ids.add(request_id)
+            # All valid: queue them, prompts sharing prefixes next to each other.
+            queued = sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests
+            for request in queued:
+                self._live[request.request_id] = request
+                self._inbox.append(("add", request))
+            self._cond.notify_all()
+        return [r.request_id for r in requests]
 
     def cancel_request(self, request_id: str) -> None:
         """Stop the request at the next step and free its pages; no-op if unknown or done."""
@@ -181,9 +211,13 @@ class ContinuousBatchingManager:
             if output is not None:
                 yield output
 
+    def _may_have_more(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self._live or self._outputs.has_output(request_id)
+
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Every output of one request (each new token when streaming), ending with the final one."""
-        while request_id in self._live or self._outputs.has_output(request_id):
+        while self._may_have_more(request_id):
             output = self._outputs.get(request_id, timeout=0.1)
             if output is None:
                 continue
@@ -196,16 +230,19 @@ class ContinuousBatchingManager:
         closed generator), the request is cancelled and its pages freed."""
         finished = False
         try:
-            while request_id in self._live or self._outputs.has_output(request_id):
-                output = await self._outputs.get_async(request_id)
+            while self._may_have_more(request_id):
+                output = await self._outputs.get_async(request_id, timeout=0.1)
+                if output is None:
+                    continue
                 finished = output.is_finished()
                 yield output
                 if finished:
                     return
         finally:
             if not finished:
-                self.cancel_request(request_id)
-                self._outputs.discard(request_id, finished=request_id not in self._live)
+                with self._cond:  # atomic with _emit: a final output is either dropped or never stored
+                    self.cancel_request(request_id)
+                    self._outputs.discard(request_id, finished=request_id not in self._live)
 
     def stats(self) -> dict[str, int]:
         stats = self.engine.stats()
@@ -215,20 +252,31 @@ class ContinuousBatchingManager:
     # -- the loop (background thread) --------------------------------------------------------
 
     def _emit(self, request: Request) -> None:
-        if request.status.is_final:
-            with self._cond:
-                self._live.discard(request.request_id)
-            self._outputs.put(request.snapshot())
-        elif request.streaming:
+        """Hand out a final output (exactly once) or a streaming partial one."""
+        final = request.status.is_final
+        if not final and not request.streaming:
+            return
+        with self._cond:
+            if self._live.get(request.request_id) is not request:  # its final output went out
+                return
+            if final:
+                del self._live[request.request_id]
             self._outputs.put(request.snapshot())
 
-    def _fail_inbox(self, error: BaseException) -> None:
+    def _fail_everything(self, error: BaseException) -> None:
+        """Fail every live request (in the inbox or the engine) with `error`, freeing its pages.
+        Called by the loop thread, or by another thread when no loop runs."""
         with self._cond:
-            inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "add":
-                item.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
-                self._emit(item)
+            self._inbox = []  # every queued add is in _live; queued cancels are moot
+            live = list(self._live.values())
+        try:
+            self.engine.fail_all(error)
+        except Exception:
+            logger.exception("failing the engine's requests failed; pages may leak")
+        for request in live:
+            if not request.status.is_final:
+                request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
+            self._emit(request)
 
     def _apply_inbox(self) -> None:
         with self._cond:
@@ -242,28 +290,34 @@ class ContinuousBatchingManager:
                     self._emit(request)
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while self._run_once():
+                pass
+        except BaseException as error:  # the thread dies: nobody may wait forever
+            logger.exception("batching loop died; failing every live request")
             with self._cond:
-                while not self._inbox and not self.engine.has_work and not self._stopping:
-                    self._cond.wait()
-                hard, stopping = self._hard_stop, self._stopping
-            if hard:
-                error = RuntimeError("the manager was hard-stopped")
-                self._fail_inbox(error)
-                for request in self.engine.fail_all(error):
-                    self._emit(request)
-                return
+                self._accepting = False
+            self.error = error
+            self._fail_everything(RuntimeError(f"the batching loop died: {error!r}"))
+
+    def _run_once(self) -> bool:
+        """One turn of the loop: apply adds and cancels, run one step. False: the loop ends."""
+        with self._cond:
+            while not self._inbox and not self.engine.has_work and not self._stopping:
+                self._cond.wait()
+            hard, stopping = self._hard_stop, self._stopping
+        if hard:
+            self._fail_everything(RuntimeError("the manager was hard-stopped"))
+            return False
+        try:
             self._apply_inbox()
             if not self.engine.has_work:
-                if stopping and not self._inbox:
-                    return
-                continue
-            try:
-                updated = self.engine.step()
-            except Exception as error:  # nobody waits forever: fail what was running
-                logger.exception("batching step failed; failing every live request")
-                self.error = error
-                updated = self.engine.fail_all(error)
-            for request in updated:
+                with self._cond:
+                    return not (stopping and not self._inbox)
+            for request in self.engine.step():
                 self._emit(request)
-
+        except Exception as error:  # fail what was live; the loop keeps serving
+            logger.exception("batching loop failed; failing every live request")
+            self.error = error
+            self._fail_everything(error)
+        return True

@@ -35,7 +35,10 @@ class OutputStore:
             self._num_stored += 1
             self._cond.notify_all()
             for loop, event in self._async_waiters.pop(rid, []):
-                loop.call_soon_threadsafe(event.set)
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:  # that event loop is closed: nobody waits there any more
+                    pass
 
     def has_output(self, request_id: str | None = None) -> bool:
         with self._cond:
@@ -77,16 +80,34 @@ class OutputStore:
                     return None
                 self._cond.wait(remaining)
 
-    async def get_async(self, request_id: str) -> GenerationOutput:
+    async def get_async(self, request_id: str, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output of `request_id`, awaited without blocking the event loop; None
+        after `timeout` seconds."""
         loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while True:
             event = asyncio.Event()
+            waiter = (loop, event)
             with self._cond:
                 output = self._pop_locked(request_id)
                 if output is not None:
                     return output
-                self._async_waiters.setdefault(request_id, []).append((loop, event))
-            await event.wait()
+                self._async_waiters.setdefault(request_id, []).append(waiter)
+            try:
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except TimeoutError:
+                    pass
+            finally:  # a timeout or a cancelled consumer leaves no stale waiter behind
+                with self._cond:
+                    waiters = self._async_waiters.get(request_id)
+                    if waiters and waiter in waiters:
+                        waiters.remove(waiter)
+                        if not waiters:
+                            del self._async_waiters[request_id]
 
     def discard(self, request_id: str, finished: bool) -> None:
         """Drop a request's stored outputs, and its future ones unless it already finished."""
