@@ -13,9 +13,12 @@ layout, positions, the sliding-window convention and soft-capping). Design:
   window's first position, so pages a sliding layer recycled are never touched.
 - No host synchronisation: grids come from tensor shapes, never from ``.item()``.
 
-Triton is imported lazily: without it this module still imports, ``TRITON_AVAILABLE`` is False and
-the kernels raise RuntimeError. On CPU the kernels only run under ``TRITON_INTERPRET=1``, which
-triton reads when a kernel is defined, i.e. when this module is imported.
+The triton import is guarded: without triton this module still imports, ``TRITON_AVAILABLE`` is
+False and the kernels raise RuntimeError. On CPU the kernels only run under Triton's interpreter
+(``TRITON_INTERPRET=1``), which triton consults when a kernel is defined, i.e. when this module is
+imported. The kernels avoid three interpreter pitfalls (triton 3.9): bf16 ``tl.dot`` (bf16 operands
+are upcast, interpreter only), masks combining a scalar with a block, and standard-library @jit
+helpers such as ``tl.max`` that fail when triton was imported before the variable was set.
 """
 
 from __future__ import annotations
