@@ -40,7 +40,8 @@ def tiny_config(arch: str, **overrides):
 
 def tiny_model(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    attn = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA for soft-capping
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation=attn)
     # Larger random weights than the default init make logits less flat, so greedy choices
     # are decided by clear margins and a broken attention shows up in the tokens.
     with torch.no_grad():

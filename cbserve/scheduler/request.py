@@ -44,6 +44,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Pages that prefix caching has already hashed (a prefix of block_ids).
     num_hashed_blocks: int = 0
+    # Host pool pages holding this request's KV while it is evicted (CPU offload).
+    host_block_ids: list[int] = field(default_factory=list)
+    num_offloaded_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     exception: BaseException | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cbserve.outputs import RequestStatus
 from cbserve.scheduler.request import Request
 from cbserve.workers.block_manager import BlockManager
+from cbserve.workers.offload import HostOffloadPool
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Scheduler:
         max_requests: int,
         policy: str = "fifo",
         safety_margin: float = 0.15,
+        offload_pool: HostOffloadPool | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -43,7 +45,9 @@ class Scheduler:
         self.safety_margin = safety_margin
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.offload_pool = offload_pool
         self.num_preemptions = 0
+        self.num_recomputes = 0
         self.prefix_hit_tokens = 0
 
     @property
@@ -63,6 +67,8 @@ class Scheduler:
             except ValueError:
                 pass
         self.block_manager.free(request)
+        if request.host_block_ids:
+            self.offload_pool.release(request)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -101,8 +107,12 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        logger.debug("preempting %s (recompute)", request.request_id)
+        """Evict a running request: its pages go to the host pool when it has room, else
+        they are dropped and recomputed on readmission."""
         self.running.remove(request)
+        offloaded = self.offload_pool is not None and self.offload_pool.offload(request)
+        logger.debug("preempting %s (%s)", request.request_id, "offload" if offloaded else "recompute")
+        self.num_recomputes += not offloaded
         self.block_manager.free(request)
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
@@ -115,11 +125,16 @@ class Scheduler:
             if not nothing_runs and bm.num_free < self.safety_margin * bm.num_blocks:
                 break
             request = self.waiting[0]
-            bm.match_prefix(request)
-            num = min(request.num_pending, budget)
-            if not bm.allocate(request, request.num_computed + num):
+            restored = request.num_offloaded_tokens
+            if not restored:
+                bm.match_prefix(request)
+            computed = restored or request.num_computed
+            num = min(request.num_tokens - computed, budget)
+            if not bm.allocate(request, computed + num):
                 bm.free(request)  # release the prefix pages it matched; it stays first in line
                 break
+            if restored:
+                self.offload_pool.restore(request)
             self.waiting.popleft()
             self.prefix_hit_tokens += request.num_computed
             self.running.append(request)

@@ -25,6 +25,7 @@ from cbserve.scheduler.scheduler import Scheduler
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers.model_runner import ModelRunner
+from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
 from cbserve.workers.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,10 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, page_size, prefix_caching)
         max_requests = cfg.max_requests_per_batch or num_requests_hint or DEFAULT_MAX_REQUESTS
         max_requests = max(1, min(max_requests, self.max_batch_tokens, num_blocks))
+        self.offload_pool = self._make_offload_pool()
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, max_requests, cfg.scheduler,
-            cfg.resolved_safety_margin,
+            cfg.resolved_safety_margin, self.offload_pool,
         )
         paged_attention.register()
         self._previous_attn = model.config._attn_implementation
@@ -141,6 +143,17 @@ class EngineCore:
             max_requests = cfg.max_requests_per_batch or num_requests_hint or DEFAULT_MAX_REQUESTS
             max_total_tokens_hint = max_requests * min(s.max_context, 1 << 16)
         return min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
+
+    def _make_offload_pool(self) -> HostOffloadPool | None:
+        cfg = self.config
+        if cfg.cpu_offload_space == 0:
+            return None
+        blocks = host_pool_blocks(self.cache, cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold)
+        if blocks == 0:
+            logger.warning("cpu_offload_space too small for one page: offloading disabled")
+            return None
+        logger.info("CPU offload pool: %d pages", blocks)
+        return HostOffloadPool(self.cache, blocks)
 
     def release_model(self) -> None:
         """Give the model back its own attention implementation."""
@@ -278,6 +291,9 @@ class EngineCore:
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            "recomputes": self.scheduler.num_recomputes,
+            "offloads": self.offload_pool.num_offloads if self.offload_pool else 0,
+            "restores": self.offload_pool.num_restores if self.offload_pool else 0,
             "steps": self.num_steps,
         }
 

@@ -1,0 +1,82 @@
+"""KV memory features keep outputs exact: prefix caching, CPU offload with resume, recompute
+when the host pool is full, sliding-window models."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import cbserve
+from tests.test_exactness import assert_matches_reference, reference, run_engine
+from tests.tiny_models import random_prompts, reference_generate, tiny_model
+
+LENGTHS = (1, 7, 33, 64, 100, 150, 300)
+
+
+def test_prefix_caching_shares_system_prompt_pages() -> None:
+    model = tiny_model("llama")
+    system = random_prompts([70], seed=1)[0]
+    prompts = [system + tail for tail in random_prompts([3, 9, 17, 1, 40], seed=2)]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True,
+                                           max_batch_tokens=64)
+    requests, engine = run_engine(model, prompts, cfg, max_new=8)
+    refs = [reference_generate(model, p, 8) for p in prompts]
+    assert_matches_reference(requests, refs)
+    stats = engine.stats()
+    # 70 shared tokens = 4 full pages of 16; the first request computes them, later ones hit.
+    assert stats["prefix_hit_tokens"] >= 4 * 16
+    assert stats["prompt_tokens_computed"] < sum(len(p) for p in prompts)
+
+
+def test_prefix_caching_off_computes_everything() -> None:
+    model = tiny_model("llama")
+    system = random_prompts([70], seed=1)[0]
+    prompts = [system + tail for tail in random_prompts([3, 9], seed=2)]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, allow_block_sharing=False)
+    _, engine = run_engine(model, prompts, cfg, max_new=4)
+    assert engine.stats()["prefix_hit_tokens"] == 0
+
+
+def small_cache(**kwargs) -> cbserve.ContinuousBatchingConfig:
+    # 24 pages of 16 tokens: the 300-token prompt alone takes 20, so others get evicted.
+    return cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=24, max_batch_tokens=64,
+                                            return_logprobs=True, allow_block_sharing=False, **kwargs)
+
+
+def test_offload_and_restore_without_recompute() -> None:
+    requests, engine = run_engine(tiny_model("qwen3"), random_prompts(list(LENGTHS)),
+                                  small_cache(cpu_offload_space=0.01))
+    assert_matches_reference(requests, reference("qwen3", LENGTHS, 10))
+    stats = engine.stats()
+    assert stats["offloads"] > 0 and stats["restores"] == stats["offloads"]
+    assert stats["recomputes"] == 0
+    assert engine.offload_pool.num_free == engine.offload_pool.num_blocks
+
+
+def test_offload_pool_too_small_falls_back_to_recompute() -> None:
+    tiny_pool_gib = 3 * 16 * 1024 / 2**30  # about 3 pages of the tiny model
+    requests, engine = run_engine(tiny_model("qwen3"), random_prompts(list(LENGTHS)),
+                                  small_cache(cpu_offload_space=tiny_pool_gib))
+    assert_matches_reference(requests, reference("qwen3", LENGTHS, 10))
+    assert engine.stats()["recomputes"] > 0
+
+
+@functools.cache
+def windowed_model(arch: str):
+    if arch == "mistral":
+        return tiny_model("mistral", sliding_window=12)
+    return tiny_model("gemma2")  # alternating sliding (window 8) and full layers, soft-capped
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_sliding_window_models_exact(arch: str, page_size: int) -> None:
+    model = windowed_model(arch)
+    prompts = random_prompts([1, 5, 20, 45, 90])
+    refs = [reference_generate(model, p, 12) for p in prompts]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=page_size, num_blocks=400, max_batch_tokens=32,
+                                           return_logprobs=True)
+    requests, engine = run_engine(model, prompts, cfg, max_new=12)
+    assert_matches_reference(requests, refs)
+    assert not engine.block_manager.enable_prefix_caching
