@@ -80,3 +80,21 @@ def test_sliding_window_models_exact(arch: str, page_size: int) -> None:
     requests, engine = run_engine(model, prompts, cfg, max_new=12)
     assert_matches_reference(requests, refs)
     assert not engine.block_manager.enable_prefix_caching
+
+
+def peak_pages(window: int, prompt_len: int, max_new: int) -> tuple[int, bool]:
+    model = tiny_model("mistral", sliding_window=window)
+    prompts = random_prompts([prompt_len, prompt_len // 2])
+    cfg = cbserve.ContinuousBatchingConfig(page_size=4, num_blocks=300, max_batch_tokens=16, return_logprobs=True)
+    requests, engine = run_engine(model, prompts, cfg, max_new=max_new)
+    refs = [reference_generate(model, p, max_new) for p in prompts]
+    assert_matches_reference(requests, refs)
+    return engine.block_manager.peak_used
+
+
+def test_sliding_window_memory_grows_with_window_not_length() -> None:
+    short, long = peak_pages(8, 40, 20), peak_pages(8, 40, 150)
+    assert long == short  # 130 more tokens per request, not one more page
+    assert peak_pages(32, 40, 20) > short  # a wider window holds more pages
+    # Full attention would hold (40 + 150) / 4 pages for the first request alone.
+    assert long < (40 + 150) // 4

@@ -21,31 +21,58 @@ import torch.nn.functional as F
 ATTENTION_NAME = "cbserve_paged"
 
 
+def window_slots(
+    table: torch.Tensor, lens: torch.Tensor, page_size: int, window: int | None, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots to gather for each row's visible context.
+
+    table [B, pages] block ids, lens [B] context lengths. Full attention gathers positions
+    [0, max_len); a window W gathers only each row's last W positions (older pages may have
+    been released). Returns slots [B, L] (0 where invalid), positions [B, L] and validity.
+    """
+    if window is None or window >= max_len:
+        positions = torch.arange(max_len).expand(len(lens), max_len)
+    else:
+        positions = lens[:, None] - window + torch.arange(window)[None, :]
+    valid = (positions >= 0) & (positions < lens[:, None])
+    safe = positions.clamp(min=0, max=max_len - 1)
+    slots = table.gather(1, safe // page_size) * page_size + safe % page_size
+    return slots.masked_fill(~valid, 0), positions, valid
+
+
 @dataclass
 class PrefillChunk:
     q_start: int
     q_end: int
     first_position: int  # absolute position of the chunk's first query token
-    kv_slots: torch.Tensor | None  # slots of positions [0, first_position + len); None: no cached prefix
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    block_table: torch.Tensor  # [1, pages] the request's block ids
+    page_size: int
+    _kv: dict[int | None, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
 
     @property
     def num_queries(self) -> int:
         return self.q_end - self.q_start
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """Bool [q, kv] mask (True = attend), or None when plain causal SDPA is exact."""
-        if window not in self._masks:
-            if self.first_position == 0 and window is None:
-                self._masks[window] = None
+    def kv(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(slots of the visible KV positions, or None to use the chunk's new K/V as is;
+        bool [q, kv] mask, or None when plain causal SDPA is exact)."""
+        if window not in self._kv:
+            start, end = self.first_position, self.first_position + self.num_queries
+            q_pos = torch.arange(start, end)[:, None]
+            if start == 0:  # nothing cached before: the new K/V are the whole context
+                slots, kv_pos = None, torch.arange(end)[None, :]
             else:
-                q_pos = torch.arange(self.first_position, self.first_position + self.num_queries)[:, None]
-                kv_pos = torch.arange(self.first_position + self.num_queries)[None, :]
-                allowed = kv_pos <= q_pos
-                if window is not None:
-                    allowed &= kv_pos > q_pos - window
-                self._masks[window] = allowed
-        return self._masks[window]
+                # A window needs the W-1 positions before the chunk's first query, and the chunk.
+                span = None if window is None else window - 1 + self.num_queries
+                slots, kv_pos, valid = window_slots(self.block_table, torch.tensor([end]), self.page_size,
+                                                    span, end)
+                slots, kv_pos = slots[0][valid[0]], kv_pos[0][valid[0]][None, :]
+            allowed = kv_pos <= q_pos
+            if window is not None:
+                allowed &= kv_pos > q_pos - window
+            mask = None if window is None and start == 0 else allowed
+            self._kv[window] = (slots, mask)
+        return self._kv[window]
 
 
 @dataclass
@@ -55,22 +82,23 @@ class AttentionMetadata:
     k_caches: list[torch.Tensor]  # per layer [num_blocks, page_size, kv_heads, head_dim]
     v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T] int64
+    page_size: int
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64, padded with slot 0
+    decode_block_table: torch.Tensor | None  # [num_decodes, pages] int64
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _decode_kv: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """Bool [num_decodes, 1, 1, max_context]: real (and in-window) context positions."""
-        if window not in self._decode_masks:
-            lens = self.decode_context_lens[:, None]
-            kv_pos = torch.arange(self.decode_slots.shape[1])[None, :]
-            allowed = kv_pos < lens
-            if window is not None:
-                allowed &= kv_pos > lens - 1 - window
-            self._decode_masks[window] = allowed[:, None, None, :]
-        return self._decode_masks[window]
+    def decode_kv(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [num_decodes, L] of each decode row's visible context and the bool mask
+        [num_decodes, 1, 1, L] of real positions."""
+        if window not in self._decode_kv:
+            lens = self.decode_context_lens
+            slots, _, valid = window_slots(self.decode_block_table, lens, self.page_size, window,
+                                           int(lens.max()))
+            self._decode_kv[window] = (slots.to(self.slot_mapping.device),
+                                       valid[:, None, None, :].to(self.slot_mapping.device))
+        return self._decode_kv[window]
 
 
 def attend(
@@ -102,8 +130,13 @@ def attend(
     return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, lq, d)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value [T, kvH, D] into the pages at `slot_mapping` [T]."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
@@ -137,19 +170,19 @@ def paged_attention_forward(
     nd = cb_meta.num_decodes
     if nd:
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
-        k = k_flat[cb_meta.decode_slots].transpose(1, 2)  # [nd, kvH, L, D]
-        v = v_flat[cb_meta.decode_slots].transpose(1, 2)
-        o = attend(q, k, v, cb_meta.decode_mask(sliding_window), scaling, softcap)
-        out[0, :nd] = o.squeeze(2)
+        slots, mask = cb_meta.decode_kv(sliding_window)
+        k = k_flat[slots].transpose(1, 2)  # [nd, kvH, L, D]
+        v = v_flat[slots].transpose(1, 2)
+        out[0, :nd] = attend(q, k, v, mask, scaling, softcap).squeeze(2)
     for chunk in cb_meta.prefills:
         s, e = chunk.q_start, chunk.q_end
-        q = query[:, :, s:e]
-        if chunk.kv_slots is None:  # nothing cached before this chunk: use the new K/V as is
+        slots, mask = chunk.kv(sliding_window)
+        if slots is None:
             k, v = key[:, :, s:e], value[:, :, s:e]
         else:
-            k = k_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
-            v = v_flat[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
-        o = attend(q, k, v, chunk.mask(sliding_window), scaling, softcap)
+            k = k_flat[slots].transpose(0, 1).unsqueeze(0)
+            v = v_flat[slots].transpose(0, 1).unsqueeze(0)
+        o = attend(query[:, :, s:e], k, v, mask, scaling, softcap)
         out[0, s:e] = o[0].transpose(0, 1)
     return out, None
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from cbserve.scheduler.request import Request
 
 NO_HASH = -1
+RELEASED = -1  # a block table entry whose page was given back (out of every window)
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class BlockManager:
         # Insertion order is the order pages were freed: the oldest is reused first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -88,19 +90,36 @@ class BlockManager:
         if missing > self.num_free:
             return False
         request.block_ids.extend(self._take_free().block_id for _ in range(missing))
+        self.peak_used = max(self.peak_used, self.num_blocks - self.num_free)
         return True
 
     def free(self, request: Request) -> None:
         """Release the request's pages; the last pages go to the free list first so that
         a shared prefix outlives its tails."""
         for block_id in reversed(request.block_ids):
+            if block_id == RELEASED:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_ids = []
         request.num_hashed_blocks = 0
+        request.num_released_blocks = 0
         request.num_computed = 0
+
+    def release_before(self, request: Request, position: int) -> None:
+        """Free the request's pages that hold only positions before `position`: with sliding
+        window attention no future query can see them, so a request keeps a ring of about
+        window / page_size pages however long it grows."""
+        num_dead = min(max(position, 0) // self.page_size, len(request.block_ids))
+        for i in range(request.num_released_blocks, num_dead):
+            block = self.blocks[request.block_ids[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+            request.block_ids[i] = RELEASED
+        request.num_released_blocks = max(request.num_released_blocks, num_dead)
 
     # -- prefix caching ----------------------------------------------------------------------
 

@@ -102,6 +102,11 @@ class EngineCore:
             self.shape.num_layers, num_blocks, page_size, self.shape.num_kv_heads,
             self.shape.head_dim, self.dtype, self.device,
         )
+        # When every layer is windowed, pages older than the widest window are given back.
+        windows = self.shape.sliding_windows
+        self.release_window = max(windows) if all(w is not None for w in windows) else None
+        if self.shape.has_sliding_layers and self.release_window is None:
+            logger.info("hybrid model: sliding layers keep every page, as the full-attention layers need them")
         prefix_caching = cfg.allow_block_sharing and not self.shape.has_sliding_layers
         if cfg.allow_block_sharing and not prefix_caching:
             logger.info("prefix caching off: the model has sliding-window layers")
@@ -147,6 +152,9 @@ class EngineCore:
     def _make_offload_pool(self) -> HostOffloadPool | None:
         cfg = self.config
         if cfg.cpu_offload_space == 0:
+            return None
+        if self.release_window is not None:
+            logger.info("CPU offload off: sliding-window pages are released as they leave the window")
             return None
         blocks = host_pool_blocks(self.cache, cfg.cpu_offload_space, cfg.cpu_offload_space_safety_threshold)
         if blocks == 0:
@@ -261,6 +269,8 @@ class EngineCore:
             if s.request.status == RequestStatus.PREFILLING and s.sample:
                 s.request.status = RequestStatus.DECODING
             self.block_manager.register_full_pages(s.request)
+            if self.release_window is not None:
+                self.block_manager.release_before(s.request, s.request.num_computed - self.release_window + 1)
             if not s.request.generated:
                 self.prompt_tokens_computed += s.num_query_tokens
         self.num_steps += 1

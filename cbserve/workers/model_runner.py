@@ -16,9 +16,9 @@ class ModelRunner:
         self.page_size = cache.page_size
         self.device = cache.device
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Slots of positions [start, end) of a request with block ids `table`."""
         positions = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.int64)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[dict, list[ScheduledRequest]]:
@@ -35,22 +35,20 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
 
-        decode_slots = decode_lens = None
+        decode_table = decode_lens = None
         if decodes:
             lens = [s.request.num_computed + 1 for s in decodes]
-            max_len = max(lens)
-            max_pages = -(-max_len // self.page_size)
-            table = torch.zeros(len(decodes), max_pages, dtype=torch.int64)
+            max_pages = -(-max(lens) // self.page_size)
+            decode_table = torch.zeros(len(decodes), max_pages, dtype=torch.int64)
             for i, s in enumerate(decodes):
                 ids = s.request.block_ids[:max_pages]
-                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                decode_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
                 input_ids.append(s.request.tokens[s.request.num_computed])
             decode_lens = torch.tensor(lens)
-            kv_pos = torch.arange(max_len)
-            decode_slots = table[:, kv_pos // self.page_size] * self.page_size + kv_pos % self.page_size
-            decode_slots = decode_slots.masked_fill(kv_pos[None, :] >= decode_lens[:, None], 0)
-            positions.append(decode_lens - 1)
-            slot_parts.append(decode_slots.gather(1, (decode_lens - 1)[:, None]).squeeze(1))
+            last = decode_lens - 1
+            positions.append(last)
+            last_pages = decode_table.gather(1, (last // self.page_size)[:, None]).squeeze(1)
+            slot_parts.append(last_pages * self.page_size + last % self.page_size)
             sample_rows.extend(range(len(decodes)))
             sampled.extend(decodes)
 
@@ -61,9 +59,9 @@ class ModelRunner:
             start = req.num_computed
             input_ids.extend(req.tokens[start : start + n])
             positions.append(torch.arange(start, start + n))
-            kv_slots = self._slots(req.block_ids, 0, start + n)
-            slot_parts.append(kv_slots[start:])
-            chunks.append(PrefillChunk(row, row + n, start, kv_slots if start > 0 else None))
+            table = torch.tensor([req.block_ids], dtype=torch.int64)
+            slot_parts.append(self._slots(table[0], start, start + n))
+            chunks.append(PrefillChunk(row, row + n, start, table, self.page_size))
             row += n
             if s.sample:
                 sample_rows.append(row - 1)
@@ -73,8 +71,9 @@ class ModelRunner:
             k_caches=self.cache.k,
             v_caches=self.cache.v,
             slot_mapping=torch.cat(slot_parts).to(self.device),
+            page_size=self.page_size,
             num_decodes=len(decodes),
-            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
+            decode_block_table=decode_table,
             decode_context_lens=decode_lens,
             prefills=chunks,
         )
