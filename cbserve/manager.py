@@ -7,6 +7,7 @@ sleeps on a condition when idle and wakes on new work.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -23,13 +24,17 @@ from cbserve.workers.engine import EngineCore
 logger = logging.getLogger(__name__)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def validate_sampling(temperature: float | None, top_k: int | None, top_p: float | None,
                       seed: int | None) -> None:
-    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if temperature is not None and not (_is_number(temperature) and 0 <= temperature < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer, got {seed!r}")
@@ -54,6 +59,7 @@ class ContinuousBatchingManager:
         # means its outputs were all handed out.
         self._live: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
+        self._lifecycle = threading.Lock()  # start/stop/destroy from several threads
         self._accepting = False
         self._stopping = False
         self._hard_stop = False
@@ -63,19 +69,20 @@ class ContinuousBatchingManager:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._destroyed:
-            raise RuntimeError("this manager was destroyed and cannot be restarted")
-        with self._cond:
-            if self.is_running() and not self._stopping:
-                return
-        if self._thread is not None:  # a stop(timeout=...) that had not finished yet
-            self._thread.join()
-            self._thread = None
-        with self._cond:
-            self._accepting, self._stopping, self._hard_stop = True, False, False
-        self.error = None
-        self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
-        self._thread.start()
+        with self._lifecycle:
+            if self._destroyed:
+                raise RuntimeError("this manager was destroyed and cannot be restarted")
+            with self._cond:
+                if self.is_running() and not self._stopping:
+                    return
+            if self._thread is not None:  # a stop(timeout=...) that had not finished yet
+                self._thread.join()
+                self._thread = None
+            with self._cond:
+                self._accepting, self._stopping, self._hard_stop = True, False, False
+            self.error = None
+            self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
+            self._thread.start()
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -83,31 +90,35 @@ class ContinuousBatchingManager:
     def stop(self, hard_stop: bool = False, timeout: float | None = None) -> None:
         """Refuse new work; finish everything queued and running (or, with `hard_stop`, fail
         it with a RuntimeError now); then end the loop thread."""
-        with self._cond:
-            self._accepting = False
-            self._stopping = True
-            self._hard_stop = self._hard_stop or hard_stop
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("batching loop still running after stop(timeout=%s)", timeout)
-                return
-            self._thread = None
-        if hard_stop:  # no loop runs now: fail whatever it left (nothing, unless it died)
-            self._fail_everything(RuntimeError("the manager was hard-stopped"))
+        with self._lifecycle:
+            with self._cond:
+                self._accepting = False
+                self._stopping = True
+                self._hard_stop = self._hard_stop or hard_stop
+                self._cond.notify_all()
+            if self._thread is not None:
+                self._thread.join(timeout)
+                if self._thread.is_alive():
+                    logger.warning("batching loop still running after stop(timeout=%s)", timeout)
+                    return
+                self._thread = None
+            if hard_stop:  # no loop runs now: fail whatever it left (nothing, unless it died)
+                self._fail_everything(RuntimeError("the manager was hard-stopped"))
 
     def destroy(self) -> None:
         """Hard-stop if running and free the KV cache; the manager cannot be restarted."""
         if self._destroyed:
             return
         self.stop(hard_stop=True)
-        self.engine.release_model()
-        self._destroyed = True
-        self.engine.cache.k.clear()
-        self.engine.cache.v.clear()
-        if getattr(self.model, "_cbserve_manager", None) is self:
-            del self.model._cbserve_manager
+        with self._lifecycle:
+            if self._destroyed:
+                return
+            self.engine.release_model()
+            self._destroyed = True
+            self.engine.cache.k.clear()
+            self.engine.cache.v.clear()
+            if getattr(self.model, "_cbserve_manager", None) is self:
+                del self.model._cbserve_manager
 
     # -- submitting --------------------------------------------------------------------------
 
