@@ -8,6 +8,7 @@ instead of hanging the suite.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -124,6 +125,14 @@ def assert_all_pages_free(manager: ContinuousBatchingManager) -> None:
     assert stats["live_requests"] == 0, stats
     assert stats["running"] == stats["waiting"] == 0, stats
     assert stats["free_pages"] == stats["total_pages"], stats
+
+
+@contextlib.contextmanager
+def paused(manager: ContinuousBatchingManager) -> Iterator[None]:
+    """Hold the loop's lock (reentrant, so add_request still works here): requests added
+    inside reach the loop together, whatever the machine's load."""
+    with manager._cond:
+        yield
 
 
 def record_statuses(manager: ContinuousBatchingManager) -> dict[str, list[RequestStatus]]:
@@ -263,10 +272,11 @@ def test_status_transitions(make_manager: MakeManager) -> None:
 def test_short_requests_leave_the_batch_while_long_ones_continue(make_manager: MakeManager) -> None:
     manager = make_manager(max_requests_per_batch=2)
     prompts = random_prompts([12, 6, 9])
-    long = manager.add_request(prompts[0], max_new_tokens=60, streaming=True)
-    short = manager.add_request(prompts[1], max_new_tokens=3)
-    # Queued behind the two (two requests per batch): it gets the short one's slot and pages.
-    third = manager.add_request(prompts[2], max_new_tokens=3, streaming=True)
+    with paused(manager):  # the loop picks all three up at once
+        long = manager.add_request(prompts[0], max_new_tokens=60, streaming=True)
+        short = manager.add_request(prompts[1], max_new_tokens=3)
+        # Queued behind the two (two requests per batch): it gets the short one's slot and pages.
+        third = manager.add_request(prompts[2], max_new_tokens=3, streaming=True)
     events: list[tuple[str, GenerationOutput]] = []
     finals: dict[str, GenerationOutput] = {}
     while len(finals) < 3:
@@ -471,8 +481,9 @@ def test_get_result_by_id_leaves_other_results_for_others(make_manager: MakeMana
 def test_iterating_the_manager_yields_outputs_as_requests_finish(make_manager: MakeManager) -> None:
     manager = make_manager()
     prompts = random_prompts([4, 9, 14, 19])
-    ids = [manager.add_request(p, max_new_tokens=30) for p in prompts[:3]]
-    ids.append(manager.add_request(prompts[3], max_new_tokens=1))
+    with paused(manager):
+        ids = [manager.add_request(p, max_new_tokens=30) for p in prompts[:3]]
+        ids.append(manager.add_request(prompts[3], max_new_tokens=1))
     seen: list[GenerationOutput] = []
     for out in manager:
         seen.append(out)
