@@ -376,6 +376,32 @@ def test_router_prefers_the_prefix_owner_until_it_is_overloaded() -> None:
     _run(scenario())
 
 
+def test_router_gives_each_sibling_request_its_own_replica() -> None:
+    """Handle calls made while serving one request share Serve's internal request id."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from cbserve.cluster.router import PrefixAffinityRouter
+
+    async def scenario() -> None:
+        dep = DeploymentID(name="LLMWorker", app_name="app")
+        router = PrefixAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state()
+        a, b = (FakeReplica(ReplicaID(unique_id=u, deployment_id=dep)) for u in ("a", "b"))
+        siblings = [
+            PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="same"))
+            for _ in range(2)
+        ]
+        for pr in siblings:
+            router._pending_requests_to_fulfill.append(pr)
+            router._add_pending_request_to_indices(pr)
+        router._fulfill_next_pending_request(b, siblings[1].metadata)
+        router._fulfill_next_pending_request(a, siblings[0].metadata)
+        assert [pr.future.result() for pr in siblings] == [a, b]
+
+    _run(scenario())
+
+
 # ---- offload shares and settings --------------------------------------------------------------
 
 
@@ -401,3 +427,43 @@ def test_cluster_args_validate_at_deploy_time() -> None:
         ClusterArgs(worker={"autoscaling": {"min_replicas": 1, "max_replicas": 0}})
     with pytest.raises(ValidationError):
         ClusterArgs(unknown_field=1)
+
+
+def test_worker_options_map_args_to_serve() -> None:
+    from ray.serve.config import RequestRouterConfig
+
+    from cbserve.cluster.app import ROUTER_CLASS, worker_options
+
+    fixed = worker_options(ClusterArgs(worker={"num_replicas": 3, "graceful_shutdown_timeout_s": 30}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["graceful_shutdown_timeout_s"] == 30
+    router: RequestRouterConfig = fixed["request_router_config"]
+    assert router.request_router_class == ROUTER_CLASS
+    assert router.request_router_kwargs == {"imbalance_threshold": 4, "table_size": 100_000}
+    auto = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
+    scaled = worker_options(ClusterArgs(worker={"autoscaling": auto}))
+    assert scaled["autoscaling_config"] == auto and "num_replicas" not in scaled
+    tp = worker_options(ClusterArgs(tp_size=2, worker={"num_cpus": 2, "num_gpus": 1}))
+    assert tp["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
+    assert tp["placement_group_strategy"] == "STRICT_PACK"
+    off = worker_options(ClusterArgs(routing={"enabled": False}))
+    assert "PowerOfTwo" in off["request_router_config"].request_router_class
+
+
+def test_ray_config_yaml_is_a_valid_serve_config() -> None:
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    text = (Path(__file__).resolve().parents[1] / "ray_config.yaml").read_text()
+    config = ServeDeploySchema(**yaml.safe_load(text))
+    (app,) = config.applications
+    assert app.import_path == "cbserve.cluster.app:build_app"
+    args = ClusterArgs(**app.args)
+    assert args.model is None and args.model_name == "SmolLM2-135M-Instruct"
+    servicer = config.grpc_options.grpc_servicer_functions[0]
+    module, func = servicer.rsplit(".", 1)
+    import importlib
+
+    assert callable(getattr(importlib.import_module(module), func))

@@ -16,7 +16,6 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cbserve.cluster.ingress import OpenAIIngress
-from cbserve.cluster.ingress import app as fastapi_app
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.cluster.stats_board import StatsBoard
 from cbserve.cluster.worker import LLMWorker
@@ -65,13 +64,17 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = ClusterArgs(**(args or {}))
+    if cfg.tp_size > 1:
+        # `worker_options` reserves the placement group (one bundle per rank), but the engine's
+        # tensor-parallel ranks are not started by the worker replica yet.
+        raise NotImplementedError("tp_size > 1 is not supported by the cluster yet; use tp_size: 1")
     plain = cfg.model_dump(mode="json")
     board = serve.deployment(StatsBoard).options(
-        name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
+        name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+        logging_config={"enable_access_log": False},  # workers report every stats period
     ).bind()
     worker = serve.deployment(LLMWorker).options(**worker_options(cfg)).bind(plain, board)
-    ingress_cls = serve.ingress(fastapi_app)(OpenAIIngress)
-    ingress = serve.deployment(ingress_cls).options(
+    ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0},

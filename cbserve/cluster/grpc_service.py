@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from pydantic import ValidationError
@@ -19,6 +19,17 @@ _STATUS = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+class GrpcAbort(Exception):
+    """Ends a gRPC call with the status set on its context (Serve sends a set code only when the
+    method raises)."""
+
+
+def abort(grpc_context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    raise GrpcAbort(details)
 
 
 def grpc_status(http_status: int) -> grpc.StatusCode:

@@ -6,8 +6,6 @@ HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GE
 name here.
 """
 
-from __future__ import annotations
-
 import asyncio
 import hmac
 import json
@@ -20,6 +18,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -57,8 +56,9 @@ def _open_error(exc: BaseException) -> APIError:
     return APIError(503, f"no worker could serve the request: {type(exc).__name__}")
 
 
+@serve.ingress(app)
 class OpenAIIngress:
-    """Serve ingress. Wrapped with `serve.ingress(app)` and `serve.deployment` in `app.py`."""
+    """Serve ingress (made a deployment in `app.py`)."""
 
     def __init__(self, worker: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
         self.args = ClusterArgs(**args)
@@ -208,9 +208,7 @@ class OpenAIIngress:
             wreq = grpc_service.to_worker_request(request, self.service)
             stream = await self._open_choice(wreq)
         except APIError as exc:
-            grpc_context.set_code(grpc_service.grpc_status(exc.status))
-            grpc_context.set_details(exc.message)
-            return
+            grpc_service.abort(grpc_context, grpc_service.grpc_status(exc.status), exc.message)
         timer = self.metrics.timer(time.perf_counter())
         try:
             yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,
@@ -225,9 +223,7 @@ class OpenAIIngress:
                                                         completion_tokens=ev.completion_tokens)
                     return
                 else:
-                    grpc_context.set_code(grpc.StatusCode.UNAVAILABLE if ev.kind == "end"
-                                          else grpc_service.grpc_status(ev.status))
-                    grpc_context.set_details(ev.message or "the request was cancelled by the server")
-                    return
+                    code = grpc.StatusCode.UNAVAILABLE if ev.kind == "end" else grpc_service.grpc_status(ev.status)
+                    grpc_service.abort(grpc_context, code, ev.message or "the request was cancelled by the server")
         finally:
             stream.cancel()

@@ -90,6 +90,23 @@ class PrefixAffinityRouter(RequestRouter):
         # the rest in order of load, in case it refuses (full).
         return [by_load[:1], by_load]
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Give `replica` to the very request it was chosen for.
+
+        Serve's base router matches by internal request id, which every handle call made while
+        serving one parent request inherits: the ingress's `n` choices (or batched prompts) share
+        it, so all but one would wait forever. Match the request's own metadata object instead.
+        """
+        if request_metadata is not None:
+            for pr in self._pending_requests_to_fulfill:
+                if pr.metadata is request_metadata and not pr.future.done():
+                    self._cancel_routing_task_for_pending_request(pr)
+                    self._record_queue_wait_time(pr)
+                    pr.future.set_result(replica)
+                    self._remove_pending_request_from_indices(pr)
+                    return
+        super()._fulfill_next_pending_request(replica, request_metadata)
+
     # -- learning -----------------------------------------------------------------------------
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
