@@ -165,23 +165,31 @@ def paged_attention_forward(
     store_kv(k_new, v_new, k_cache, v_cache, cb_meta.slot_mapping)
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    kv_heads = k_cache.shape[2]
+    # Rows of whole tokens: index_select over a 2-D view is a row memcpy, several times faster
+    # than advanced indexing of the 4-D cache.
+    k_rows = k_cache.view(-1, kv_heads * head_dim)
+    v_rows = v_cache.view(-1, kv_heads * head_dim)
+
+    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, kv_heads, head_dim)
+        return k_rows.index_select(0, flat).view(shape), v_rows.index_select(0, flat).view(shape)
+
     nd = cb_meta.num_decodes
     if nd:
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
         slots, mask = cb_meta.decode_kv(sliding_window)
-        k = k_flat[slots].transpose(1, 2)  # [nd, kvH, L, D]
-        v = v_flat[slots].transpose(1, 2)
-        out[0, :nd] = attend(q, k, v, mask, scaling, softcap).squeeze(2)
+        k, v = gather(slots)  # [nd, L, kvH, D]
+        out[0, :nd] = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scaling, softcap).squeeze(2)
     for chunk in cb_meta.prefills:
         s, e = chunk.q_start, chunk.q_end
         slots, mask = chunk.kv(sliding_window)
         if slots is None:
             k, v = key[:, :, s:e], value[:, :, s:e]
         else:
-            k = k_flat[slots].transpose(0, 1).unsqueeze(0)
-            v = v_flat[slots].transpose(0, 1).unsqueeze(0)
+            k, v = gather(slots)  # [L, kvH, D]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = attend(query[:, :, s:e], k, v, mask, scaling, softcap)
         out[0, s:e] = o[0].transpose(0, 1)
     return out, None
