@@ -690,16 +690,16 @@ def test_bad_input_leaves_other_requests_unaffected(make_manager: MakeManager) -
 def test_crash_in_the_step_fails_live_requests_and_the_manager_keeps_serving(
         make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     manager = make_manager(max_requests_per_batch=2, num_blocks=200)
-    runner, original = manager.engine.runner, manager.engine.runner.forward
+    runner, original = manager.engine.runner, manager.engine.runner.run
     armed = threading.Event()
 
-    def flaky_forward(batch):
+    def flaky_run(kwargs):
         if armed.is_set():
             armed.clear()
             raise RuntimeError("boom in forward")
-        return original(batch)
+        return original(kwargs)
 
-    monkeypatch.setattr(runner, "forward", flaky_forward)
+    monkeypatch.setattr(runner, "run", flaky_run)
     prompts = random_prompts([7, 12, 5, 9])
     ids = [manager.add_request(p, max_new_tokens=900, streaming=True) for p in prompts[:3]]
     get(manager, ids[0])  # running; the third is queued

@@ -6,6 +6,7 @@ It knows nothing of threads, HTTP or Ray; the manager and `generate_batch` drive
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -125,6 +126,8 @@ class EngineCore:
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Seconds spent in each phase of step(), summed: host overhead vs model time.
+        self.timings = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0}
         self.generated_tokens = 0
         self.prompt_tokens_computed = 0
         LIVE_ENGINES.add(self)
@@ -258,12 +261,20 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one forward pass; returns the requests that got a token or finished."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
             return []
-        logits, sampled = self.runner.forward(batch)
+        t1 = time.perf_counter()
+        kwargs, sampled = self.runner.prepare(batch)
+        t2 = time.perf_counter()
+        logits = self.runner.run(kwargs)
+        t3 = time.perf_counter()
+        self.timings["schedule"] += t1 - t0
+        self.timings["prepare"] += t2 - t1
+        self.timings["forward"] += t3 - t2
         for s in batch:
             s.request.num_computed += s.num_query_tokens
             if s.request.status == RequestStatus.PREFILLING and s.sample:

@@ -80,17 +80,13 @@ class ModelRunner:
         kwargs = dict(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.cat(positions)[None].to(self.device),
-            logits_to_keep=torch.tensor(sample_rows, device=self.device),
+            logits_to_keep=torch.tensor(sample_rows or [0], device=self.device),
             cb_meta=meta,
             use_cache=False,
         )
         return kwargs, sampled
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
-        """Logits [num_sampled, vocab] in float32 for the requests that sample this step."""
-        kwargs, sampled = self.prepare(batch)
-        if not sampled:
-            kwargs["logits_to_keep"] = torch.tensor([0], device=self.device)
-        logits = self.model(**kwargs).logits[0]
-        return logits.float(), sampled
+    def run(self, kwargs: dict) -> torch.Tensor:
+        """Logits [num_sampled, vocab] in float32 for the prepared batch."""
+        return self.model(**kwargs).logits[0].float()
