@@ -301,6 +301,29 @@ def test_service_refuses_bad_requests(service: OpenAIService, req: CompletionReq
     assert info.value.status == status and info.value.param == param
 
 
+def test_service_metrics_count_tokens_and_latency(manager: Any, tokenizer: Any, info: ModelInfo,
+                                                  loaded: tuple[Any, Any, str]) -> None:
+    from cbserve.cluster.metrics import ServingMetrics
+
+    metrics = ServingMetrics("tiny")
+    svc = OpenAIService(ClusterArgs(model=loaded[2], served_model_name="tiny"),
+                        LocalWorker(manager, tokenizer, info).open_choice, metrics)
+    reply = _run(svc.complete(CompletionRequest(model="tiny", prompt="hello world", max_tokens=5, temperature=0)))
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "tiny", **labels}) or 0.0
+
+    assert value("vllm:prompt_tokens_total") == reply.body.usage.prompt_tokens
+    assert value("vllm:generation_tokens_total") == reply.body.usage.completion_tokens
+    assert value("vllm:time_to_first_token_seconds_count") == 1
+    assert value("vllm:inter_token_latency_seconds_count") == reply.body.usage.completion_tokens - 1
+    assert value("vllm:request_success_total", finished_reason=reply.body.choices[0].finish_reason) == 1
+    text = metrics.render({"r1": {"running": 1, "waiting": 2, "total_pages": 10, "free_pages": 4,
+                                  "prefix_hit_tokens": 6, "prompt_tokens_computed": 4}}).decode()
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny",replica="r1"} 0.6' in text
+    assert 'vllm:prefix_cache_queries_total{model_name="tiny",replica="r1"} 10.0' in text
+
+
 def test_schemas_refuse_out_of_range_fields() -> None:
     for bad in ({"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
                 {"n": 0}, {"stop": [""]}, {"prompt": []}):

@@ -201,6 +201,7 @@ class OpenAIIngress:
         from cbserve.cluster import grpc_service
         from cbserve.cluster.protos import generate_pb2
 
+        arrival = time.perf_counter()
         metadata = dict(grpc_context.invocation_metadata() or [])
         try:
             if not self._authorized(metadata.get("authorization")):
@@ -209,7 +210,7 @@ class OpenAIIngress:
             stream = await self._open_choice(wreq)
         except APIError as exc:
             grpc_service.abort(grpc_context, grpc_service.grpc_status(exc.status), exc.message)
-        timer = self.metrics.timer(time.perf_counter())
+        timer = self.metrics.timer(arrival, stream.start.prompt_tokens)
         try:
             yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,
                                                 replica=stream.start.replica or "")
@@ -218,7 +219,7 @@ class OpenAIIngress:
                     timer.on_tokens(len(ev.token_ids))
                     yield grpc_service.delta_message(ev)
                 elif ev.kind == "end" and ev.finish_reason != "abort":
-                    timer.on_end(stream.start.prompt_tokens, ev.finish_reason or "stop")
+                    timer.on_end(ev.finish_reason or "stop")
                     yield generate_pb2.GenerateResponse(finish_reason=ev.finish_reason or "stop",
                                                         completion_tokens=ev.completion_tokens)
                     return

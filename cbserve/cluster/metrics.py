@@ -67,30 +67,33 @@ def kv_usage(stats: dict[str, Any]) -> float:
 
 
 class ChoiceTimer:
-    """Latency of one choice, from the request's arrival in the ingress."""
+    """Latency and tokens of one choice, timed from the request's arrival in the ingress.
 
-    def __init__(self, metrics: ServingMetrics, arrival: float):
+    Tokens are counted as they stream, so a choice whose client went away still counts what it
+    prefilled and generated; latency and success are recorded only for finished choices.
+    """
+
+    def __init__(self, metrics: ServingMetrics, arrival: float, prompt_tokens: int):
         self._m = metrics
         self._arrival = arrival
         self._last: float | None = None
-        self.tokens = 0
+        metrics.prompt_tokens.labels(metrics.model_name).inc(prompt_tokens)
 
     def on_tokens(self, n: int) -> None:
         if n <= 0:
             return
+        m, name = self._m, self._m.model_name
         now = time.perf_counter()
         if self._last is None:
-            self._m.ttft.labels(self._m.model_name).observe(now - self._arrival)
+            m.ttft.labels(name).observe(now - self._arrival)
         else:
-            self._m.itl.labels(self._m.model_name).observe((now - self._last) / n)
+            m.itl.labels(name).observe((now - self._last) / n)
         self._last = now
-        self.tokens += n
+        m.generation_tokens.labels(name).inc(n)
 
-    def on_end(self, prompt_tokens: int, finish_reason: str) -> None:
+    def on_end(self, finish_reason: str) -> None:
         m, name = self._m, self._m.model_name
         m.e2e.labels(name).observe(time.perf_counter() - self._arrival)
-        m.prompt_tokens.labels(name).inc(prompt_tokens)
-        m.generation_tokens.labels(name).inc(self.tokens)
         m.request_success.labels(name, finish_reason).inc()
 
 
@@ -114,8 +117,8 @@ class ServingMetrics:
         self.workers = WorkerStatsCollector(model_name)
         r.register(self.workers)
 
-    def timer(self, arrival: float) -> ChoiceTimer:
-        return ChoiceTimer(self, arrival)
+    def timer(self, arrival: float, prompt_tokens: int) -> ChoiceTimer:
+        return ChoiceTimer(self, arrival, prompt_tokens)
 
     def render(self, worker_snapshot: dict[str, dict[str, Any]] | None) -> bytes:
         self.workers.snapshot = worker_snapshot or {}

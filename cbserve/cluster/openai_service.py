@@ -197,11 +197,11 @@ class OpenAIService:
             raise (min(api_errors, key=lambda e: e.status) if api_errors else errors[0])
         return streams
 
-    def _timer(self, arrival: float) -> ChoiceTimer | None:
-        return self.metrics.timer(arrival) if self.metrics else None
+    def _timer(self, arrival: float, stream: ChoiceStream) -> ChoiceTimer | None:
+        return self.metrics.timer(arrival, stream.start.prompt_tokens) if self.metrics else None
 
     async def _collect(self, stream: ChoiceStream, arrival: float) -> ChoiceResult:
-        result, timer = ChoiceResult(), self._timer(arrival)
+        result, timer = ChoiceResult(), self._timer(arrival, stream)
         async for ev in stream.events:
             error = _end_error(ev)
             if error is not None:
@@ -214,7 +214,7 @@ class OpenAIService:
                 result.finish_reason = ev.finish_reason
                 result.completion_tokens = ev.completion_tokens
                 if timer:
-                    timer.on_end(stream.start.prompt_tokens, ev.finish_reason or "stop")
+                    timer.on_end(ev.finish_reason or "stop")
                 return result
         raise APIError(500, "the worker ended the stream without finishing the request")
 
@@ -264,7 +264,7 @@ class OpenAIService:
         self, streams: list[ChoiceStream], arrival: float
     ) -> AsyncIterator[tuple[int, WorkerEvent]]:
         """Merged events with metrics and error handling; cancels every choice on exit."""
-        timers = [self._timer(arrival) for _ in streams]
+        timers = [self._timer(arrival, s) for s in streams]
         try:
             async for i, ev in self._merged(streams):
                 error = _end_error(ev)
@@ -274,7 +274,7 @@ class OpenAIService:
                 if timer and ev.kind == "delta":
                     timer.on_tokens(len(ev.token_ids))
                 if timer and ev.kind == "end":
-                    timer.on_end(streams[i].start.prompt_tokens, ev.finish_reason or "stop")
+                    timer.on_end(ev.finish_reason or "stop")
                 yield i, ev
         finally:
             for s in streams:
