@@ -1,0 +1,205 @@
+"""Where a batch job's requests run: a pool of engine actors started by the job, or a running Serve app.
+
+Both run a request through the same path as the Serve worker (`LLMWorker.generate`: tokenize,
+check against the model's context, submit to the manager, detokenize, stop strings) and collect
+its `WorkerEvent`s into an `Outcome`:
+
+- `EnginePool`: `replicas` Ray actors, each owning an `LLMWorker` (one model and one
+  continuous-batching manager); a request goes to the actor with the fewest in flight and its
+  events are collected inside the actor, so one Ray call carries one whole result.
+- `ServeBackend`: the `LLMWorker` deployment of a running Serve app, through a deployment handle
+  (`handle.options(stream=True).generate`); Serve's request router (prefix affinity, least
+  outstanding requests) picks the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+NO_CHAT_TEMPLATE = "messages: this model has no chat template"  # the worker's refusal (generation.py)
+WORKER_DEPLOYMENT = "LLMWorker"
+
+
+class RetryableError(Exception):
+    """The request may succeed if sent again (a replica died, was draining, or was unreachable)."""
+
+
+@dataclass
+class Outcome:
+    """A request's result, or its error (`status` as HTTP: 400 for a bad request, 5xx for the engine)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    status: int = 0
+
+
+async def collect_events(events: AsyncIterator[WorkerEvent]) -> Outcome:
+    """Fold a worker's event stream (`start`, `delta`s, then `end` or `error`) into one `Outcome`."""
+    out = Outcome()
+    parts: list[str] = []
+    async for ev in events:
+        if ev.kind == "start":
+            out.prompt_tokens = ev.prompt_tokens
+        elif ev.kind == "delta":
+            parts.append(ev.text)
+            out.token_ids.extend(ev.token_ids)
+        elif ev.kind == "end":
+            out.text = "".join(parts)
+            out.finish_reason = ev.finish_reason
+            out.completion_tokens = ev.completion_tokens
+            return out
+        elif ev.kind == "error":
+            out.error, out.status = ev.message, ev.status
+            return out
+    return Outcome(error="the worker ended the stream without finishing the request", status=500)
+
+
+class Backend(Protocol):
+    has_chat_template: bool
+    default_concurrency: int
+
+    async def start(self) -> None: ...
+
+    async def run(self, req: WorkerRequest) -> Outcome: ...
+
+    async def close(self) -> None: ...
+
+
+# -- mode 1: engine actors started by the job ----------------------------------------------------
+
+
+class EngineActor:
+    """A Ray actor (made one in `EnginePool.start`) owning one `LLMWorker`."""
+
+    def __init__(self, args: dict[str, Any]):
+        from cbserve.cluster.worker import LLMWorker
+
+        self._worker = LLMWorker(args)
+
+    def info(self) -> dict[str, Any]:
+        return {"has_chat_template": getattr(self._worker.tokenizer, "chat_template", None) is not None}
+
+    async def run(self, req: WorkerRequest) -> Outcome:
+        return await collect_events(self._worker.generate(req))
+
+    def stats(self) -> dict[str, Any]:
+        return self._worker.stats()
+
+
+class EnginePool:
+    def __init__(self, args: dict[str, Any], replicas: int, num_cpus: float, num_gpus: float,
+                 per_replica_concurrency: int = 64):
+        self._args = args
+        self._replicas = replicas
+        self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 1}
+        self.default_concurrency = per_replica_concurrency * replicas
+        self.has_chat_template = False
+        self._actors: list[Any] = []
+        self._in_flight: list[int] = []
+
+    async def start(self) -> None:
+        import ray
+
+        cls = ray.remote(EngineActor).options(**self._options)
+        self._actors = [cls.remote(self._args) for _ in range(self._replicas)]
+        self._in_flight = [0] * self._replicas
+        logger.info("starting %d engine actor(s) (%s each)", self._replicas, self._options)
+        infos = await asyncio.gather(*(a.info.remote() for a in self._actors))
+        self.has_chat_template = bool(infos[0]["has_chat_template"])
+
+    async def run(self, req: WorkerRequest) -> Outcome:
+        from ray.exceptions import RayActorError
+
+        i = min(range(len(self._actors)), key=self._in_flight.__getitem__)
+        self._in_flight[i] += 1
+        try:
+            return await self._actors[i].run.remote(req)
+        except RayActorError as exc:  # died (restarting) or unreachable
+            raise RetryableError(f"engine actor {i} failed: {type(exc).__name__}") from exc
+        finally:
+            self._in_flight[i] -= 1
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(a.stats.remote() for a in self._actors)))
+
+    async def close(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []
+
+
+# -- mode 2: a running Serve app ------------------------------------------------------------------
+
+
+class ServeBackend:
+    def __init__(self, app_name: str, concurrency: int = 64):
+        self._app = app_name
+        self.default_concurrency = concurrency
+        self.has_chat_template = False
+        self._stream: Any = None
+
+    def _check_app(self) -> None:
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+        from ray.serve.schema import ApplicationStatus
+
+        try:
+            apps = serve.status().applications
+        except RayServeException as exc:
+            raise RuntimeError(f"--serve-app: Serve is not running on this Ray cluster: {exc}") from exc
+        if self._app not in apps:
+            raise RuntimeError(f"--serve-app: no Serve application named {self._app!r} is running "
+                               f"(running: {sorted(apps) or 'none'})")
+        app = apps[self._app]
+        if WORKER_DEPLOYMENT not in app.deployments:
+            raise RuntimeError(f"--serve-app: application {self._app!r} has no {WORKER_DEPLOYMENT} deployment "
+                               f"(it has {sorted(app.deployments)}); is it a cbserve app?")
+        if app.status != ApplicationStatus.RUNNING:
+            logger.warning("Serve application %r is %s; requests wait for its workers", self._app, app.status)
+
+    async def start(self) -> None:
+        from ray import serve
+
+        self._check_app()
+        handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=self._app)
+        self._stream = handle.options(stream=True, method_name="generate")
+        self.has_chat_template = await self._probe_chat_template()
+        logger.info("sending requests to Serve application %r (chat template: %s)", self._app,
+                    self.has_chat_template)
+
+    async def _probe_chat_template(self) -> bool:
+        """Whether the app's model has a chat template: one 1-token chat request tells."""
+        probe = WorkerRequest(request_id=f"batch-probe-{uuid.uuid4().hex[:12]}",
+                              messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0)
+        out = await self.run(probe)
+        if out.error is None:
+            return True
+        if out.status == 400 and out.error.startswith(NO_CHAT_TEMPLATE):
+            return False
+        raise RuntimeError(f"the probe request to Serve application {self._app!r} failed: {out.error}")
+
+    async def run(self, req: WorkerRequest) -> Outcome:
+        try:
+            return await collect_events(self._stream.remote(req))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the replica died, backpressure, the deployment is unavailable...
+            raise RetryableError(f"Serve call failed: {type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        self._stream = None
