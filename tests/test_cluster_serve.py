@@ -427,3 +427,51 @@ def test_deleting_the_app_drains_in_flight_requests(cluster: dict[str, Any]) -> 
     assert chunks[-1].usage.completion_tokens == 200
     status, _, _ = _raw(cluster, "POST", "/routed/v1/completions", b"{}", {"Content-Type": "application/json"})
     assert status == 404
+
+
+def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster: dict[str, Any]) -> None:
+    import threading
+
+    from cbserve.cluster.app import build_app
+
+    serve = cluster["serve"]
+    auto = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 1,
+            "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 1}
+    serve.run(build_app(_args(cluster["model_dir"], worker={"autoscaling": auto, "num_cpus": 0.5,
+                                                                 "graceful_shutdown_timeout_s": 30})),
+              name="scaled", route_prefix="/scaled")
+
+    def running() -> int:
+        overview = serve.status().applications["scaled"].deployments["LLMWorker"]
+        return sum(n for state, n in overview.replica_states.items() if str(state).endswith("RUNNING"))
+
+    def wait_for(replicas: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if running() == replicas:
+                return True
+            time.sleep(0.5)
+        return False
+
+    try:
+        assert running() == 1
+        scaled_up, finished = threading.Event(), []
+
+        def load(i: int) -> None:
+            client = _client(cluster, key=None, prefix="/scaled")
+            while not scaled_up.is_set():
+                out = client.completions.create(model=MODEL, prompt=f"load {i}", max_tokens=200, temperature=0)
+                finished.append(out.choices[0].finish_reason)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            workers = [pool.submit(load, i) for i in range(4)]
+            try:
+                assert wait_for(2, timeout=180), "no second replica under load"
+            finally:
+                scaled_up.set()
+            for w in workers:
+                w.result(timeout=120)  # no request failed while the deployment scaled
+        assert finished and set(finished) <= {"length", "stop"}
+        assert wait_for(1, timeout=120), "the idle replica was not removed"
+    finally:
+        serve.delete("scaled")
