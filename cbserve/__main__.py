@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per request (default 128)")
     gen.add_argument("--model", default=None, help="HF id (local cache), folder or .gguf; default SmolLM2")
     gen.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: engine's)")
+    gen.add_argument("--tp-size", type=_positive_int, default=1,
+                     help="tensor-parallel ranks (local processes); must divide the model's KV heads")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.set_defaults(func=cmd_generate)
     return parser
@@ -50,12 +52,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         cb_config = ContinuousBatchingConfig(
-            **({} if args.page_size is None else {"page_size": args.page_size})
+            **({} if args.page_size is None else {"page_size": args.page_size}), tp_size=args.tp_size
         )
     except ValueError as error:
         print(f"error: invalid engine setting: {error}", file=sys.stderr)
         return 2
     model, tokenizer = load_model(args.model)
+    if args.tp_size > 1:  # tensor parallelism hook: refuse a size the model cannot be split by, up front
+        from cbserve.workers.tensor_parallel import check_tp_size
+
+        try:
+            check_tp_size(model, args.tp_size)
+        except ValueError as error:
+            print(f"error: --tp-size: {error}", file=sys.stderr)
+            return 2
     inputs = [chat_prompt_ids(tokenizer, prompt) for prompt in args.prompt]
     generation_config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

@@ -26,6 +26,11 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Run every prompt through the engine; returns outputs keyed "req_0", "req_1", ... in
     input order. Invalid prompts raise `ValueError` before anything runs."""
+    if continuous_batching_config is not None and continuous_batching_config.tp_size > 1:
+        # Tensor parallelism hook: rank 0 drives the other ranks (cbserve/workers/tp_engine.py).
+        from cbserve.workers.tp_engine import generate_batch_tp
+
+        return generate_batch_tp(model, inputs, generation_config, continuous_batching_config, progress_bar)
     gc = generation_config or model.generation_config
     default_new = gc.max_new_tokens if gc.max_new_tokens is not None else 20
     engine = EngineCore(

@@ -48,7 +48,13 @@ class ContinuousBatchingManager:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
         self.model = model
-        self.engine = EngineCore(model, generation_config, continuous_batching_config)
+        if continuous_batching_config is not None and continuous_batching_config.tp_size > 1:
+            # Tensor parallelism hook: rank 0's engine starts the other ranks (cbserve/workers/tp_engine.py).
+            from cbserve.workers.tp_engine import TensorParallelEngine
+
+            self.engine = TensorParallelEngine(model, generation_config, continuous_batching_config)
+        else:
+            self.engine = EngineCore(model, generation_config, continuous_batching_config)
         self.config = self.engine.config
         self._outputs = OutputStore()
         # An RLock: cancel_request may be called with it held (async_request_iter).
