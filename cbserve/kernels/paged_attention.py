@@ -162,9 +162,14 @@ def paged_attention_forward(
     _, num_heads, num_tokens, head_dim = query.shape
     k_new = key[0].transpose(0, 1)  # [T, kvH, D]
     v_new = value[0].transpose(0, 1)
+    # Static-shape compilation pads the batch: padded rows store nothing and stay zero.
+    num_real = cb_meta.slot_mapping.numel()
+    if num_real < num_tokens:
+        key, value = key[:, :, :num_real], value[:, :, :num_real]
+        k_new, v_new = k_new[:num_real], v_new[:num_real]
     store_kv(k_new, v_new, k_cache, v_cache, cb_meta.slot_mapping)
 
-    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    out = (query.new_zeros if num_real < num_tokens else query.new_empty)(1, num_tokens, num_heads, head_dim)
     kv_heads = k_cache.shape[2]
     # Rows of whole tokens: index_select over a 2-D view is a row memcpy, several times faster
     # than advanced indexing of the 4-D cache.
@@ -199,5 +204,6 @@ def register() -> None:
     """Register the attention function and a mask function that builds no dense mask."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    # Kept out of torch.compile graphs: it holds per-step Python control flow.
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(paged_attention_forward))
     AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)

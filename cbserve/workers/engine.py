@@ -25,6 +25,8 @@ from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
+from cbserve.workers import compilation
+from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
 from cbserve.workers.sampler import Sampler
@@ -122,7 +124,12 @@ class EngineCore:
         paged_attention.register()
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(paged_attention.ATTENTION_NAME)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, CompiledForward(
+            model,
+            compilation.resolve(cfg.default_compile_level, cfg.varlen_compile_config),
+            compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
+            cfg.q_padding_interval_size,
+        ))
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -167,7 +174,8 @@ class EngineCore:
         return HostOffloadPool(self.cache, blocks)
 
     def release_model(self) -> None:
-        """Give the model back its own attention implementation."""
+        """Give the model back its own attention implementation and eager layers."""
+        self.runner.forward.restore()
         self.model.set_attn_implementation(self._previous_attn)
 
     # -- requests ----------------------------------------------------------------------------

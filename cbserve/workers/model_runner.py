@@ -6,12 +6,15 @@ import torch
 
 from cbserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
 from cbserve.scheduler.scheduler import ScheduledRequest
+from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.kv_cache import PagedKVCache
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache,
+                 forward: CompiledForward | None = None) -> None:
         self.model = model
+        self.forward = forward or CompiledForward(model, None, None)
         self.cache = cache
         self.page_size = cache.page_size
         self.device = cache.device
@@ -89,4 +92,4 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
-        return self.model(**kwargs).logits[0].float()
+        return self.forward(kwargs, decode_only=not kwargs["cb_meta"].prefills).float()
