@@ -23,10 +23,10 @@ from cbserve.kernels import paged_attention
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
-from cbserve.workers.block_manager import BlockManager
-from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers import compilation
+from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
+from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
 from cbserve.workers.sampler import Sampler
