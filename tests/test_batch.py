@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,19 +44,23 @@ NUM_STOP_LINES = 10
 class Lines:
     texts: list[str]  # the input file's lines, in order
     good: dict[str, dict[str, Any]] = field(default_factory=dict)  # record key -> expected record
-    bad: dict[int, tuple[str, str]] = field(default_factory=dict)  # line number -> (error_type, text in error)
+    bad: dict[int, tuple[str, str]] = field(
+        default_factory=dict
+    )  # line number -> (error_type, text in error)
 
 
 # ---- building the input and its expected results -----------------------------------------------
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def _good_specs(rng: random.Random, vocab_size: int) -> list[dict[str, Any]]:
-    """150 good lines (148 + two): chat prompts, raw prompts, chats and token ids; greedy by line or by the flag."""
+    """150 good lines (148 + two): chat and raw prompts, chats, token ids; greedy by line or by the flag."""
     specs = []
     for i in range(NUM_LINES - 52):
         line: dict[str, Any] = {"id": i if i % 10 == 3 else f"g{i}"}
@@ -67,7 +72,8 @@ def _good_specs(rng: random.Random, vocab_size: int) -> list[dict[str, Any]]:
             line.update(prompt=text, raw=True)
         elif kind == 2:
             line["messages"] = ([{"role": "system", "content": "be brief"}] if i % 8 == 2 else []) + [
-                {"role": "user", "content": text}]
+                {"role": "user", "content": text}
+            ]
         else:
             line["input_ids"] = [rng.randrange(4, vocab_size) for _ in range(rng.randint(1, 24))]
         max_tokens = rng.choice([None, 4, 8, 16])
@@ -107,8 +113,11 @@ def _greedy_reference(model: Any, tokenizer: Any, specs: list[dict[str, Any]]) -
     for max_tokens, idx in by_max.items():
         prompts = [_prompt_ids(tokenizer, specs[i]) for i in idx]
         outs = cbserve.generate_batch(
-            model, prompts, GenerationConfig(max_new_tokens=max_tokens, eos_token_id=eos, do_sample=False),
-            cbserve.ContinuousBatchingConfig(**ENGINE), progress_bar=False,
+            model,
+            prompts,
+            GenerationConfig(max_new_tokens=max_tokens, eos_token_id=eos, do_sample=False),
+            cbserve.ContinuousBatchingConfig(**ENGINE),
+            progress_bar=False,
         )
         for j, i in enumerate(idx):
             out = outs[f"req_{j}"]
@@ -119,8 +128,11 @@ def _greedy_reference(model: Any, tokenizer: Any, specs: list[dict[str, Any]]) -
                 "text": tokenizer.decode(tokens, skip_special_tokens=True),
                 "token_ids": tokens,
                 "finish_reason": "length" if out.finish_reason == cbserve.FinishReason.LENGTH else "stop",
-                "usage": {"prompt_tokens": len(prompts[j]), "completion_tokens": len(tokens),
-                          "total_tokens": len(prompts[j]) + len(tokens)},
+                "usage": {
+                    "prompt_tokens": len(prompts[j]),
+                    "completion_tokens": len(tokens),
+                    "total_tokens": len(prompts[j]) + len(tokens),
+                },
             }
             if "metadata" in specs[i]:
                 expected[i]["metadata"] = specs[i]["metadata"]
@@ -132,13 +144,20 @@ def _add_stop_strings(specs: list[dict[str, Any]], expected: list[dict[str, Any]
     added = 0
     for line, exp in zip(specs, expected, strict=True):
         text = exp["text"]
-        cut = next((k for k in range(2, len(text) - 2) if text[k:k + 2].isascii() and text[k:k + 2].isalpha()), None)
+        cut = next(
+            (k for k in range(2, len(text) - 2) if text[k : k + 2].isascii() and text[k : k + 2].isalpha()),
+            None,
+        )
         if cut is None or "input_ids" in line:
             continue
-        stop = text[cut:cut + 2]
+        stop = text[cut : cut + 2]
         line["stop"] = [stop, "never-seen-stop"] if added % 2 else stop
-        exp.update(text=text[: text.index(stop)], finish_reason="stop", stop_prefix=exp.pop("token_ids"),
-                   prompt_tokens=exp.pop("usage")["prompt_tokens"])
+        exp.update(
+            text=text[: text.index(stop)],
+            finish_reason="stop",
+            stop_prefix=exp.pop("token_ids"),
+            prompt_tokens=exp.pop("usage")["prompt_tokens"],
+        )
         added += 1
         if added == NUM_STOP_LINES:
             return
@@ -155,8 +174,11 @@ def _bad_lines() -> list[tuple[str, str, str]]:
         ('{"prompt": "no id"}', "invalid_line", "id"),
         ('{"id": true, "prompt": "x"}', "invalid_line", "id"),
         ('{"id": "", "prompt": "x"}', "invalid_line", "id"),
-        ('{"id": "{id}", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "invalid_line",
-         "exactly one"),
+        (
+            '{"id": "{id}", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}',
+            "invalid_line",
+            "exactly one",
+        ),
         ('{"id": "{id}"}', "invalid_line", "exactly one"),
         ('{"id": "{id}", "prompt": ""}', "invalid_line", "prompt"),
         ('{"id": "{id}", "input_ids": []}', "invalid_line", "input_ids"),
@@ -272,8 +294,14 @@ def write_input(path: Path, texts: list[str]) -> Path:
 
 
 def options(model_dir: Path, inp: Path, out: Path, **extra: Any) -> BatchOptions:
-    base: dict[str, Any] = {"model": str(model_dir), "engine": ENGINE, "max_tokens": DEFAULT_MAX_TOKENS,
-                            "temperature": 0.0, "progress": False, "log_every": 50}
+    base: dict[str, Any] = {
+        "model": str(model_dir),
+        "engine": ENGINE,
+        "max_tokens": DEFAULT_MAX_TOKENS,
+        "temperature": 0.0,
+        "progress": False,
+        "log_every": 50,
+    }
     base.update(extra)
     return BatchOptions(input=inp, output=out, **base)
 
@@ -335,17 +363,23 @@ class TestOnLocalRay:
         out = tmp_path / "results.jsonl"
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         try:
-            args = {"model": str(model_dir), "engine": ENGINE, "generation": {"max_tokens": 16},
-                    "worker": {"num_replicas": 1, "num_cpus": 1.0}}
+            args = {
+                "model": str(model_dir),
+                "engine": ENGINE,
+                "generation": {"max_tokens": 16},
+                "worker": {"num_replicas": 1, "num_cpus": 1.0},
+            }
             serve.run(build_app(args), name="batchapp", route_prefix="/batchapp")
             summary = asyncio.run(run_batch(options(model_dir, inp, out, serve_app="batchapp")))
             with pytest.raises(RuntimeError, match="no Serve application named 'nope'"):
                 asyncio.run(run_batch(options(model_dir, inp, tmp_path / "other.jsonl", serve_app="nope")))
         finally:
             serve.shutdown()
-        sub = Lines(texts=[lines.texts[i] for i in subset],
-                    good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
-                    bad={n: v for n, v in lines.bad.items() if n <= len(subset)})
+        sub = Lines(
+            texts=[lines.texts[i] for i in subset],
+            good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
+            bad={n: v for n, v in lines.bad.items() if n <= len(subset)},
+        )
         assert summary.written == len(subset) and summary.ok == len(sub.good)
         check_records(read_records(out), sub)
 
@@ -362,9 +396,19 @@ def ray_head() -> Any:
     """`ray start --head --block` in its own session; stopped by signalling that process only."""
     temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths have a length limit
     dash = free_port()
-    cmd = [_ray_cli(), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=1",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    cmd = [
+        _ray_cli(),
+        "start",
+        "--head",
+        "--block",
+        f"--port={free_port()}",
+        "--num-cpus=1",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
@@ -372,8 +416,13 @@ def ray_head() -> Any:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, Path(temp_dir, "ray-start.log").read_text()
-            probe = subprocess.run([_ray_cli(), "job", "list", "--address", address], check=False, capture_output=True,
-                                   text=True, timeout=60)
+            probe = subprocess.run(
+                [_ray_cli(), "job", "list", "--address", address],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if probe.returncode == 0:
                 break
             assert time.monotonic() < deadline, f"the Ray head did not come up: {probe.stderr[-2000:]}"
@@ -387,6 +436,7 @@ def ray_head() -> Any:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.ray
@@ -397,20 +447,51 @@ def test_ray_job_submit_succeeds(ray_head: str, model_dir: Path, lines: Lines, t
     out = tmp_path / "results.jsonl"
     job_id = f"cbserve-batch-test-{uuid.uuid4().hex[:8]}"
     submit = subprocess.run(
-        [_ray_cli(), "job", "submit", "--address", ray_head, "--submission-id", job_id, "--working-dir", str(REPO),
-         "--", sys.executable, "-m", "cbserve.cluster.batch", "--input", str(inp), "--output", str(out),
-         "--model", str(model_dir), "--engine", json.dumps(ENGINE), "--max-tokens", str(DEFAULT_MAX_TOKENS),
-         "--temperature", "0", "--no-progress", "--log-every", "10"],
-        check=False, capture_output=True, text=True, timeout=300,
+        [
+            _ray_cli(),
+            "job",
+            "submit",
+            "--address",
+            ray_head,
+            "--submission-id",
+            job_id,
+            "--working-dir",
+            str(REPO),
+            "--",
+            sys.executable,
+            "-m",
+            "cbserve.cluster.batch",
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--model",
+            str(model_dir),
+            "--engine",
+            json.dumps(ENGINE),
+            "--max-tokens",
+            str(DEFAULT_MAX_TOKENS),
+            "--temperature",
+            "0",
+            "--no-progress",
+            "--log-every",
+            "10",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
     assert "summary:" in submit.stdout, submit.stdout[-4000:]
-    status = subprocess.run([_ray_cli(), "job", "status", "--address", ray_head, job_id],
-                            check=False, capture_output=True, text=True, timeout=60)
-    assert "SUCCEEDED" in status.stdout, status.stdout + status.stderr
-    sub = Lines(texts=[lines.texts[i] for i in subset],
-                good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
-                bad={n: v for n, v in lines.bad.items() if n <= len(subset)})
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    assert JobSubmissionClient(ray_head).get_job_status(job_id) == JobStatus.SUCCEEDED
+    sub = Lines(
+        texts=[lines.texts[i] for i in subset],
+        good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
+        bad={n: v for n, v in lines.bad.items() if n <= len(subset)},
+    )
     assert sub.good and sub.bad
     check_records(read_records(out), sub)
 

@@ -110,12 +110,17 @@ def make_backend(opts: BatchOptions) -> tuple[Backend, RequestDefaults]:
     num_gpus = opts.num_gpus
     if num_gpus is None:
         num_gpus = float(args.tp_size) if ray.cluster_resources().get("GPU", 0) >= args.tp_size else 0.0
-    pool = EnginePool(args.model_dump(mode="json"), opts.replicas, num_cpus=opts.num_cpus * args.tp_size,
-                      num_gpus=num_gpus)
+    pool = EnginePool(
+        args.model_dump(mode="json"), opts.replicas, num_cpus=opts.num_cpus * args.tp_size, num_gpus=num_gpus
+    )
     if opts.concurrency:
         pool.default_concurrency = opts.concurrency
-    defaults = RequestDefaults(max_tokens=opts.max_tokens, temperature=opts.temperature,
-                               generation=args.generation, routing=args.routing)
+    defaults = RequestDefaults(
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+        generation=args.generation,
+        routing=args.routing,
+    )
     return pool, defaults
 
 
@@ -178,8 +183,9 @@ class BatchJob:
         return summary
 
     @staticmethod
-    def _claim(parsed: BatchLine | ResultLine, lineno: int,
-               seen: dict[str, int]) -> tuple[str, BatchLine | ResultLine]:
+    def _claim(
+        parsed: BatchLine | ResultLine, lineno: int, seen: dict[str, int]
+    ) -> tuple[str, BatchLine | ResultLine]:
         """The line's done-key; a line repeating an earlier line's id becomes a `duplicate_id` error."""
         if parsed.id is None:
             return line_key(lineno), parsed
@@ -187,19 +193,28 @@ class BatchJob:
         first = seen.setdefault(key, lineno)
         if first == lineno:
             return key, parsed
-        dup = ResultLine(id=parsed.id, line=lineno, error_type="duplicate_id",
-                         error=f"id: {json.dumps(parsed.id, ensure_ascii=False)} is already used by line {first}")
+        dup = ResultLine(
+            id=parsed.id,
+            line=lineno,
+            error_type="duplicate_id",
+            error=f"id: {json.dumps(parsed.id, ensure_ascii=False)} is already used by line {first}",
+        )
         return line_key(lineno), dup
 
-    async def _run_line(self, line: BatchLine, lineno: int, writer: ResultWriter, progress: Progress,
-                        limit: asyncio.Semaphore) -> None:
+    async def _run_line(
+        self, line: BatchLine, lineno: int, writer: ResultWriter, progress: Progress, limit: asyncio.Semaphore
+    ) -> None:
         try:
             await self._ensure_started()
             record = await self._attempts(line, lineno, progress)
             writer.write(record)
             usage = record.usage
-            progress.written(record.error is None, record.error_type,
-                             usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
+            progress.written(
+                record.error is None,
+                record.error_type,
+                usage.prompt_tokens if usage else 0,
+                usage.completion_tokens if usage else 0,
+            )
         finally:
             limit.release()
 
@@ -210,11 +225,17 @@ class BatchJob:
                 progress.summary.retries += 1
                 await asyncio.sleep(self.opts.retry_delay_s * attempt)
             try:
-                req = to_worker_request(line, f"{self._run_id}-{lineno}-{attempt}", self.defaults,
-                                        self.backend.has_chat_template)
+                req = to_worker_request(
+                    line, f"{self._run_id}-{lineno}-{attempt}", self.defaults, self.backend.has_chat_template
+                )
             except ValidationError as exc:
-                return ResultLine(id=line.id, line=lineno, error=describe_validation_error(exc),
-                                  error_type="invalid_request", metadata=line.metadata)
+                return ResultLine(
+                    id=line.id,
+                    line=lineno,
+                    error=describe_validation_error(exc),
+                    error_type="invalid_request",
+                    metadata=line.metadata,
+                )
             try:
                 out = await self.backend.run(req)
             except RetryableError as exc:
@@ -225,7 +246,9 @@ class BatchJob:
                 return to_result(line, lineno, out)
             error = out.error or "engine error"
             logger.warning("line %d (attempt %d): %s", lineno, attempt + 1, error)
-        return ResultLine(id=line.id, line=lineno, error=error, error_type="engine_error", metadata=line.metadata)
+        return ResultLine(
+            id=line.id, line=lineno, error=error, error_type="engine_error", metadata=line.metadata
+        )
 
 
 async def run_batch(opts: BatchOptions) -> Summary:
@@ -241,21 +264,31 @@ async def run_batch(opts: BatchOptions) -> Summary:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cbserve.cluster.batch", description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", type=Path, required=True, help="JSONL prompts (see cbserve/cluster/batch_schema.py)")
+    p.add_argument(
+        "--input", type=Path, required=True, help="JSONL prompts (see cbserve/cluster/batch_schema.py)"
+    )
     p.add_argument("--output", type=Path, required=True, help="JSONL results, appended; rerun to resume")
-    p.add_argument("--serve-app", help="send requests to this running Serve application instead of own engines")
+    p.add_argument(
+        "--serve-app", help="send requests to this running Serve application instead of own engines"
+    )
     p.add_argument("--model", help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tp-size", type=int, help="tensor-parallel ranks per engine (1 for now)")
     p.add_argument("--replicas", type=int, default=1, help="engine actors (default 1)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor and rank (default 1)")
-    p.add_argument("--num-gpus", type=float, help="GPUs per engine actor (default: tp size if the cluster has GPUs)")
-    p.add_argument("--engine", type=json.loads, default={}, help='ContinuousBatchingConfig fields as JSON')
-    p.add_argument("--config", type=Path, help="take the engines' settings from this Serve config (ray_config.yaml)")
+    p.add_argument(
+        "--num-gpus", type=float, help="GPUs per engine actor (default: tp size if the cluster has GPUs)"
+    )
+    p.add_argument("--engine", type=json.loads, default={}, help="ContinuousBatchingConfig fields as JSON")
+    p.add_argument(
+        "--config", type=Path, help="take the engines' settings from this Serve config (ray_config.yaml)"
+    )
     p.add_argument("--config-app", help="application of --config to use (default: the first)")
     p.add_argument("--max-tokens", type=int, help="max_tokens of lines that leave it out")
     p.add_argument("--temperature", type=float, help="temperature of lines that leave it out (default 1.0)")
-    p.add_argument("--concurrency", type=int, help="requests in flight (default 64 per engine; 64 with --serve-app)")
+    p.add_argument(
+        "--concurrency", type=int, help="requests in flight (default 64 per engine; 64 with --serve-app)"
+    )
     p.add_argument("--retries", type=int, default=2, help="retries of a request that failed in the engine")
     p.add_argument("--log-every", type=int, default=100, help="log progress every N finished lines")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -273,10 +306,24 @@ def options_from_args(ns: argparse.Namespace) -> BatchOptions:
     if not isinstance(ns.engine, dict):
         raise ValueError("--engine must be a JSON object")  # noqa: TRY004 - reported as a usage error
     return BatchOptions(
-        input=ns.input, output=ns.output, model=ns.model, dtype=ns.dtype, tp_size=ns.tp_size,
-        replicas=ns.replicas, num_cpus=ns.num_cpus, num_gpus=ns.num_gpus, engine=ns.engine, config=ns.config,
-        config_app=ns.config_app, serve_app=ns.serve_app, max_tokens=ns.max_tokens, temperature=ns.temperature,
-        concurrency=ns.concurrency, retries=ns.retries, log_every=ns.log_every, progress=not ns.no_progress,
+        input=ns.input,
+        output=ns.output,
+        model=ns.model,
+        dtype=ns.dtype,
+        tp_size=ns.tp_size,
+        replicas=ns.replicas,
+        num_cpus=ns.num_cpus,
+        num_gpus=ns.num_gpus,
+        engine=ns.engine,
+        config=ns.config,
+        config_app=ns.config_app,
+        serve_app=ns.serve_app,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        concurrency=ns.concurrency,
+        retries=ns.retries,
+        log_every=ns.log_every,
+        progress=not ns.no_progress,
     )
 
 
@@ -304,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     logger.info("summary: %s", json.dumps(summary.as_dict()))
     if summary.errors.get("engine_error"):
-        logger.warning("%d lines failed in the engine; rerun with the same --output to retry them",
-                       summary.errors["engine_error"])
+        logger.warning(
+            "%d lines failed in the engine; rerun with the same --output to retry them",
+            summary.errors["engine_error"],
+        )
     return 0
 
 

@@ -100,8 +100,14 @@ class EngineActor:
 
 
 class EnginePool:
-    def __init__(self, args: dict[str, Any], replicas: int, num_cpus: float, num_gpus: float,
-                 per_replica_concurrency: int = 64):
+    def __init__(
+        self,
+        args: dict[str, Any],
+        replicas: int,
+        num_cpus: float,
+        num_gpus: float,
+        per_replica_concurrency: int = 64,
+    ):
         self._args = args
         self._replicas = replicas
         self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 1}
@@ -163,12 +169,16 @@ class ServeBackend:
         except RayServeException as exc:
             raise RuntimeError(f"--serve-app: Serve is not running on this Ray cluster: {exc}") from exc
         if self._app not in apps:
-            raise RuntimeError(f"--serve-app: no Serve application named {self._app!r} is running "
-                               f"(running: {sorted(apps) or 'none'})")
+            raise RuntimeError(
+                f"--serve-app: no Serve application named {self._app!r} is running "
+                f"(running: {sorted(apps) or 'none'})"
+            )
         app = apps[self._app]
         if WORKER_DEPLOYMENT not in app.deployments:
-            raise RuntimeError(f"--serve-app: application {self._app!r} has no {WORKER_DEPLOYMENT} deployment "
-                               f"(it has {sorted(app.deployments)}); is it a cbserve app?")
+            raise RuntimeError(
+                f"--serve-app: application {self._app!r} has no {WORKER_DEPLOYMENT} deployment "
+                f"(it has {sorted(app.deployments)}); is it a cbserve app?"
+            )
         if app.status != ApplicationStatus.RUNNING:
             logger.warning("Serve application %r is %s; requests wait for its workers", self._app, app.status)
 
@@ -179,13 +189,18 @@ class ServeBackend:
         handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=self._app)
         self._stream = handle.options(stream=True, method_name="generate")
         self.has_chat_template = await self._probe_chat_template()
-        logger.info("sending requests to Serve application %r (chat template: %s)", self._app,
-                    self.has_chat_template)
+        logger.info(
+            "sending requests to Serve application %r (chat template: %s)", self._app, self.has_chat_template
+        )
 
     async def _probe_chat_template(self) -> bool:
         """Whether the app's model has a chat template: one 1-token chat request tells."""
-        probe = WorkerRequest(request_id=f"batch-probe-{uuid.uuid4().hex[:12]}",
-                              messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0.0)
+        probe = WorkerRequest(
+            request_id=f"batch-probe-{uuid.uuid4().hex[:12]}",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            temperature=0.0,
+        )
         out = await self.run(probe)
         if out.error is None:
             return True

@@ -55,7 +55,9 @@ def prepare_output(path: Path) -> ResumeState:
     tail_record = _parse_record(tail) if tail.strip() else None
     if tail.strip() and tail_record is None:
         state.torn = True
-        logger.warning("%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(tail))
+        logger.warning(
+            "%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(tail)
+        )
     elif tail_record is not None:
         pieces.append(tail)  # complete, only its newline is missing
     kept: list[bytes] = []

@@ -29,9 +29,15 @@ class Summary:
     def as_dict(self) -> dict[str, Any]:
         secs = max(self.elapsed_s, 1e-9)
         return {
-            "lines": self.lines, "blank": self.blank, "skipped": self.skipped, "written": self.written,
-            "ok": self.ok, "errors": dict(self.errors), "retries": self.retries,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "lines": self.lines,
+            "blank": self.blank,
+            "skipped": self.skipped,
+            "written": self.written,
+            "ok": self.ok,
+            "errors": dict(self.errors),
+            "retries": self.retries,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
             "elapsed_s": round(self.elapsed_s, 3),
             "requests_per_s": round(self.written / secs, 3),
             "completion_tokens_per_s": round(self.completion_tokens / secs, 3),
@@ -50,7 +56,9 @@ class Progress:
         self.summary.skipped += 1
         self._bar.update(1)
 
-    def written(self, ok: bool, error_type: str | None, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def written(
+        self, ok: bool, error_type: str | None, prompt_tokens: int = 0, completion_tokens: int = 0
+    ) -> None:
         s = self.summary
         s.written += 1
         if ok:
@@ -68,9 +76,11 @@ class Progress:
         secs = max(time.perf_counter() - self._start, 1e-9)
         done = s.skipped + s.written
         pct = 100.0 * done / self._total if self._total else 100.0
-        return (f"batch: {done}/{self._total} lines ({pct:.1f}%): {s.written} written this run, "
-                f"{s.skipped} skipped; {s.written / secs:.2f} req/s, {s.completion_tokens / secs:.1f} tok/s, "
-                f"{sum(s.errors.values())} errors")
+        return (
+            f"batch: {done}/{self._total} lines ({pct:.1f}%): {s.written} written this run, "
+            f"{s.skipped} skipped; {s.written / secs:.2f} req/s, {s.completion_tokens / secs:.1f} tok/s, "
+            f"{sum(s.errors.values())} errors"
+        )
 
     def close(self) -> Summary:
         self._bar.close()

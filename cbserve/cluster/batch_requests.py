@@ -21,8 +21,9 @@ class RequestDefaults:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
-def to_worker_request(line: BatchLine, request_id: str, defaults: RequestDefaults,
-                      chat_template: bool) -> WorkerRequest:
+def to_worker_request(
+    line: BatchLine, request_id: str, defaults: RequestDefaults, chat_template: bool
+) -> WorkerRequest:
     """`prompt` goes as one user chat message when the model has a chat template (unless `raw`)."""
     gen, routing = defaults.generation, defaults.routing
     prompt: dict[str, object]
@@ -45,7 +46,9 @@ def to_worker_request(line: BatchLine, request_id: str, defaults: RequestDefault
     return WorkerRequest(
         request_id=request_id,
         max_tokens=line.max_tokens if line.max_tokens is not None else defaults.max_tokens,
-        temperature=next(t for t in (line.temperature, defaults.temperature, gen.temperature) if t is not None),
+        temperature=next(
+            t for t in (line.temperature, defaults.temperature, gen.temperature) if t is not None
+        ),
         top_p=gen.top_p if line.top_p is None else line.top_p,
         top_k=gen.top_k if line.top_k is None else line.top_k,
         seed=line.seed,
@@ -70,7 +73,10 @@ def to_result(line: BatchLine, lineno: int, out: Outcome) -> ResultLine:
         text=out.text,
         token_ids=out.token_ids,
         finish_reason=out.finish_reason,
-        usage=Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                    total_tokens=out.prompt_tokens + out.completion_tokens),
+        usage=Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            total_tokens=out.prompt_tokens + out.completion_tokens,
+        ),
         metadata=line.metadata,
     )

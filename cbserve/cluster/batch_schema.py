@@ -68,7 +68,9 @@ class BatchLine(BaseModel):
     def _one_prompt(self) -> BatchLine:
         given = [name for name in ("prompt", "messages", "input_ids") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"exactly one of prompt, messages, input_ids must be given, got {given or 'none'}")
+            raise ValueError(
+                f"exactly one of prompt, messages, input_ids must be given, got {given or 'none'}"
+            )
         if self.raw and self.prompt is None:
             raise ValueError("raw: only applies to `prompt`")
         return self
@@ -159,10 +161,16 @@ def parse_line(text: str, lineno: int) -> BatchLine | ResultLine:
     except json.JSONDecodeError as exc:
         return ResultLine(id=None, line=lineno, error=f"invalid JSON: {exc}", error_type="invalid_json")
     if not isinstance(obj, dict):
-        return ResultLine(id=None, line=lineno, error=f"a line must be a JSON object, got {type(obj).__name__}",
-                          error_type="invalid_line")
+        return ResultLine(
+            id=None,
+            line=lineno,
+            error=f"a line must be a JSON object, got {type(obj).__name__}",
+            error_type="invalid_line",
+        )
     rid = usable_id(obj.get("id"))
     try:
         return BatchLine.model_validate(obj)
     except ValidationError as exc:
-        return ResultLine(id=rid, line=lineno, error=describe_validation_error(exc), error_type="invalid_line")
+        return ResultLine(
+            id=rid, line=lineno, error=describe_validation_error(exc), error_type="invalid_line"
+        )

@@ -1,0 +1,321 @@
+"""The Helm chart `helm/cbserve` (a KubeRay RayService).
+
+Always: the chart's plain YAML files parse, its copy of the Serve config equals `ray_config.yaml`,
+and `values.yaml` has the documented keys.
+
+With Helm (its Go SDK, from the `helm-python-sdk` package: `pip install helm-python-sdk==0.2.2`):
+`helm lint`, and every template rendered for the default values and for other value sets
+(`tp_size: 4`, autoscaling, the API key, the ServiceMonitor), checked as YAML, the RayService
+against the fields KubeRay requires, and `serveConfigV2` against Ray's own `ServeDeploySchema`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "cbserve"
+RAY_CONFIG = REPO / "ray_config.yaml"
+
+# Every key a user is told to set (values.yaml's comments and the README's "Deploy on Kubernetes").
+DOCUMENTED_KEYS = [
+    "image.repository",
+    "image.tag",
+    "image.pullPolicy",
+    "imagePullSecrets",
+    "rayVersion",
+    "model.name",
+    "model.servedModelName",
+    "model.dtype",
+    "tp_size",
+    "autoscaling.enabled",
+    "autoscaling.minReplicas",
+    "autoscaling.maxReplicas",
+    "autoscaling.idleTimeoutSeconds",
+    "autoscaling.upscalingMode",
+    "replicas",
+    "serve.httpPort",
+    "serve.grpcPort",
+    "serve.args",
+    "serve.runtimeEnv",
+    "serve.ingressCpus",
+    "apiKey.existingSecret",
+    "apiKey.secretKey",
+    "head.rayStartParams",
+    "head.resources",
+    "head.nodeSelector",
+    "head.tolerations",
+    "head.affinity",
+    "worker.groupName",
+    "worker.cpusPerRank",
+    "worker.rayStartParams",
+    "worker.resources",
+    "worker.nodeSelector",
+    "worker.tolerations",
+    "worker.affinity",
+    "env",
+    "serviceMonitor.enabled",
+    "serviceMonitor.interval",
+    "serviceMonitor.scrapeTimeout",
+    "serviceMonitor.labels",
+]
+
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        assert isinstance(node, dict) and part in node, f"missing key {dotted}"
+        node = node[part]
+    return node
+
+
+# ---- without Helm -------------------------------------------------------------------------------
+
+
+def test_chart_files_are_yaml() -> None:
+    chart = _load(CHART / "Chart.yaml")
+    assert chart["apiVersion"] == "v2" and chart["name"] == "cbserve" and chart["type"] == "application"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert isinstance(_load(CHART / "values.yaml"), dict)
+    templates = sorted(p.name for p in (CHART / "templates").iterdir())
+    assert {"rayservice.yaml", "servicemonitor.yaml", "_helpers.tpl"} <= set(templates)
+
+
+def test_serve_config_copy_equals_ray_config() -> None:
+    """One source of truth: the chart renders serveConfigV2 from this copy of ray_config.yaml.
+
+    After changing ray_config.yaml: cp ray_config.yaml helm/cbserve/files/serve_config.yaml
+    """
+    assert _load(CHART / "files" / "serve_config.yaml") == _load(RAY_CONFIG)
+
+
+def test_values_have_the_documented_keys() -> None:
+    values = _load(CHART / "values.yaml")
+    for key in DOCUMENTED_KEYS:
+        _get(values, key)
+    assert values["tp_size"] == 1 and values["autoscaling"]["enabled"] is True
+    assert values["apiKey"]["existingSecret"] == "" and values["serviceMonitor"]["enabled"] is False
+
+
+# ---- with Helm ----------------------------------------------------------------------------------
+
+BIG_VALUES: dict[str, Any] = {
+    "tp_size": 4,
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct", "servedModelName": "qwen"},
+    "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+    "apiKey": {"existingSecret": "cbserve-api-key", "secretKey": "key"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "worker": {
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "resources": {
+            "requests": {"cpu": "16", "memory": "128Gi"},
+            "limits": {"cpu": "16", "memory": "128Gi"},
+        },
+        "rayStartParams": {"num-gpus": 4},
+    },
+    "head": {"nodeSelector": {"node-role": "cpu"}, "rayStartParams": {"num-cpus": "8"}},
+    "serve": {"args": {"engine": {"page_size": 128}}},
+    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+}
+
+
+@pytest.fixture(scope="module")
+def helm() -> Any:
+    return pytest.importorskip("helm_python", reason="Helm's SDK: pip install helm-python-sdk==0.2.2")
+
+
+def render(helm: Any, values: dict[str, Any] | None) -> dict[str, list[dict[str, Any]]]:
+    """Every template rendered and parsed as YAML: {template file name: [documents]}."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values, name="llm", namespace="serving")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path, text in manifests.items():
+        name = Path(path).name
+        if name == "NOTES.txt":
+            assert "llm-cbserve-serve-svc" in text
+            continue
+        out[name] = [d for d in yaml.safe_load_all(text) if d is not None]
+    return out
+
+
+def rayservice(docs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    (svc,) = docs["rayservice.yaml"]
+    return svc
+
+
+def check_kuberay_fields(svc: dict[str, Any]) -> None:
+    """What KubeRay's CRD (ray.io/v1) and Kubernetes require of a RayService."""
+    assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
+    name = svc["metadata"]["name"]
+    assert DNS_1123.match(name) and len(name) <= 40, name
+    spec = svc["spec"]
+    assert isinstance(spec["serveConfigV2"], str)
+    cluster = spec["rayClusterConfig"]
+    assert isinstance(cluster["enableInTreeAutoscaling"], bool)
+    head = cluster["headGroupSpec"]
+    groups = cluster["workerGroupSpecs"]
+    assert len(groups) == 1
+    for group in (head, *groups):
+        params = group["rayStartParams"]
+        assert isinstance(params, dict) and all(isinstance(v, str) for v in params.values()), params
+        containers = group["template"]["spec"]["containers"]
+        assert containers and all(c["name"] and c["image"] for c in containers)
+        for c in containers:
+            for port in c.get("ports", []):
+                assert isinstance(port["containerPort"], int) and len(port["name"]) <= 15
+    worker = groups[0]
+    assert worker["groupName"]
+    assert 0 <= worker["minReplicas"] <= worker["replicas"] <= worker["maxReplicas"]
+
+
+def serve_config(svc: dict[str, Any]) -> dict[str, Any]:
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(cfg)  # raises on anything Serve would refuse
+    return cfg
+
+
+def app_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    from cbserve.cluster.settings import ClusterArgs
+
+    (app,) = cfg["applications"]
+    ClusterArgs(**app["args"])  # build_app would accept them
+    return app["args"]
+
+
+def test_helm_lint(helm: Any) -> None:
+    for values in (None, BIG_VALUES):
+        report = helm.lint(str(CHART), values, strict=True)
+        problems = [m for m in report["messages"] if m["severity"] >= 2]
+        assert not report["errors"] and not problems, report
+
+
+def test_default_values_render_the_serve_config_of_ray_config(helm: Any) -> None:
+    docs = render(helm, None)
+    assert docs["servicemonitor.yaml"] == []  # off by default
+    svc = rayservice(docs)
+    check_kuberay_fields(svc)
+    cfg = serve_config(svc)
+    ray_cfg = _load(RAY_CONFIG)
+    args, ray_args = app_args(cfg), ray_cfg["applications"][0]["args"]
+
+    # Everything comes from ray_config.yaml except what depends on the Kubernetes cluster.
+    expected = copy.deepcopy(ray_args)
+    expected.update(tp_size=1, dtype="bfloat16", api_key=None)
+    expected["worker"].update(num_gpus=1, num_cpus=2)
+    expected["worker"]["autoscaling"].update(min_replicas=1, max_replicas=4, initial_replicas=1)
+    assert args == expected
+    app, ray_app = cfg["applications"][0], ray_cfg["applications"][0]
+    assert {k: v for k, v in app.items() if k not in ("args", "deployments")} == {
+        k: v for k, v in ray_app.items() if k != "args"
+    }
+    assert cfg["http_options"] == {**ray_cfg["http_options"], "host": "0.0.0.0"}
+    assert cfg["grpc_options"] == ray_cfg["grpc_options"]
+    assert cfg["proxy_location"] == ray_cfg["proxy_location"]
+
+    # No replica on the head: it has no CPU for Ray, and every deployment needs some.
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert {d["name"]: d["ray_actor_options"]["num_cpus"] for d in app["deployments"]} == {
+        "OpenAIIngress": 0.1,
+        "StatsBoard": 0.1,
+    }
+    assert args["worker"]["num_cpus"] > 0
+
+    assert cluster["enableInTreeAutoscaling"] is True
+    worker = cluster["workerGroupSpecs"][0]
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (1, 4)
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["requests"] == {"cpu": "8", "memory": "32Gi"}
+    assert worker["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    for group in (cluster["headGroupSpec"], worker):
+        assert "env" not in group["template"]["spec"]["containers"][0]  # no API key by default
+
+
+def test_tp4_autoscaling_api_key_and_service_monitor(helm: Any) -> None:
+    docs = render(helm, BIG_VALUES)
+    svc = rayservice(docs)
+    check_kuberay_fields(svc)
+    cfg = serve_config(svc)
+    args = app_args(cfg)
+    assert args["tp_size"] == 4 and args["model"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert args["served_model_name"] == "qwen" and args["api_key"] is None
+    assert args["engine"]["page_size"] == 128  # serve.args merged over ray_config.yaml's
+    assert (
+        args["engine"]["max_batch_tokens"]
+        == _load(RAY_CONFIG)["applications"][0]["args"]["engine"]["max_batch_tokens"]
+    )
+    auto = args["worker"]["autoscaling"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["initial_replicas"]) == (2, 6, 2)
+
+    cluster = svc["spec"]["rayClusterConfig"]
+    head, worker = cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # not overridable: no replicas on the head
+    assert worker["rayStartParams"] == {"num-gpus": "4"}
+    assert (worker["minReplicas"], worker["replicas"], worker["maxReplicas"]) == (2, 2, 6)
+    wc = worker["template"]["spec"]["containers"][0]
+    assert wc["resources"]["limits"] == {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": 4}
+    assert worker["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert head["template"]["spec"]["nodeSelector"] == {"node-role": "cpu"}
+    for container in (head["template"]["spec"]["containers"][0], wc):
+        env = {e["name"]: e for e in container["env"]}
+        assert env["CBSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "cbserve-api-key",
+            "key": "key",
+        }
+        assert env["HF_HUB_OFFLINE"]["value"] == "1"
+
+    service, monitor = docs["servicemonitor.yaml"]
+    assert service["kind"] == "Service" and monitor["kind"] == "ServiceMonitor"
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == ["serving"]
+    pod_labels = head["template"]["metadata"]["labels"] | {
+        "ray.io/node-type": "head"
+    }  # KubeRay adds the latter
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] in {
+        p["name"] for p in head["template"]["spec"]["containers"][0]["ports"]
+    }
+
+
+def test_fixed_replicas_without_autoscaling(helm: Any) -> None:
+    svc = rayservice(render(helm, {"autoscaling": {"enabled": False}, "replicas": 3}))
+    check_kuberay_fields(svc)
+    args = app_args(serve_config(svc))
+    assert args["worker"]["autoscaling"] is None and args["worker"]["num_replicas"] == 3
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster
+    worker = cluster["workerGroupSpecs"][0]
+    assert (worker["minReplicas"], worker["replicas"], worker["maxReplicas"]) == (3, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"tp_size": 0}, "tp_size must be at least 1"),
+        ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas <= maxReplicas"),
+        ({"autoscaling": {"enabled": False}, "replicas": 0}, "replicas must be at least 1"),
+    ],
+)
+def test_bad_values_fail_with_a_message(helm: Any, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        render(helm, values)
