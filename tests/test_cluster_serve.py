@@ -53,11 +53,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]},
         )
-        serve.run(build_app(_args(model_dir, api_key=API_KEY)), name="cbserve", route_prefix="/")
+        # Both apps start together (replica start-up dominates); wait for both to run.
+        serve._run(build_app(_args(model_dir, api_key=API_KEY)), name="cbserve", route_prefix="/", _blocking=False)
         serve.run(
             build_app(_args(model_dir, worker={"num_replicas": 2, "graceful_shutdown_timeout_s": 60})),
             name="routed", route_prefix="/routed",
         )
+        deadline = time.monotonic() + 300
+        while serve.status().applications["cbserve"].status != "RUNNING":
+            assert time.monotonic() < deadline, serve.status().applications["cbserve"]
+            time.sleep(0.5)
         yield {"http": http_port, "grpc": grpc_port, "model_dir": model_dir, "serve": serve}
     finally:
         serve.shutdown()
@@ -475,3 +480,31 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster: dic
         assert wait_for(1, timeout=120), "the idle replica was not removed"
     finally:
         serve.delete("scaled")
+
+
+def test_tensor_parallel_replica_equals_tp1_and_releases_its_ranks(cluster: dict[str, Any], reference: Any) -> None:
+    """tp_size 2: the replica is rank 0, rank 1 a Ray actor in its placement group (gloo on CPU)."""
+    import ray
+
+    from cbserve.cluster.app import build_app
+
+    serve = cluster["serve"]
+    tokenizer, greedy = reference
+    cpus_before = ray.available_resources().get("CPU", 0)
+    serve.run(build_app(_args(cluster["model_dir"], tp_size=2, worker={"num_cpus": 0.5})), name="tp",
+              route_prefix="/tp")
+    try:
+        assert ray.available_resources().get("CPU", 0) <= cpus_before - 1.0  # two bundles of 0.5
+        for prompt in ("hello world the sea", "one two three café"):
+            expected = tokenizer.decode(greedy(tokenizer(prompt).input_ids, 12), skip_special_tokens=True)
+            out = _client(cluster, key=None, prefix="/tp").completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+            assert out.choices[0].text == expected
+        stats = _worker_stats(cluster, app="tp")
+        assert stats["free_pages"] == stats["total_pages"] and stats["running"] == 0
+    finally:
+        serve.delete("tp")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and ray.available_resources().get("CPU", 0) < cpus_before:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) >= cpus_before  # the rank actor is gone too

@@ -54,7 +54,7 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
         opts["ray_actor_options"] = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus}
     else:
         # One bundle per tensor-parallel rank, packed on one node; the replica actor takes the
-        # first bundle and starts the other ranks in the rest.
+        # first bundle and starts the other ranks in the rest (`tp_ranks.py`).
         bundle = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
         opts["placement_group_bundles"] = [dict(bundle) for _ in range(args.tp_size)]
         opts["placement_group_strategy"] = "STRICT_PACK"
@@ -64,10 +64,6 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = ClusterArgs(**(args or {}))
-    if cfg.tp_size > 1:
-        # `worker_options` reserves the placement group (one bundle per rank), but the engine's
-        # tensor-parallel ranks are not started by the worker replica yet.
-        raise NotImplementedError("tp_size > 1 is not supported by the cluster yet; use tp_size: 1")
     plain = cfg.model_dump(mode="json")
     board = serve.deployment(StatsBoard).options(
         name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,

@@ -1,5 +1,8 @@
 """The worker deployment: each replica owns one model and one continuous-batching manager.
 
+With `tp_size > 1` the replica is rank 0 of a tensor-parallel group whose other ranks are Ray
+actors in the replica's placement group (`tp_ranks.py`).
+
 `generate` is a streaming method (called with `handle.options(stream=True)`); when the caller
 cancels the call (client gone, timeout), the request is cancelled in the engine and its KV pages
 are freed. On scale-down Serve stops routing to the replica, waits for its ongoing requests
@@ -20,6 +23,7 @@ from cbserve.cluster.metrics import kv_usage
 from cbserve.cluster.offload import offload_share_gib
 from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
 from cbserve.cluster.settings import ClusterArgs
+from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -44,27 +48,30 @@ class LLMWorker:
     """Wrapped with `serve.deployment` in `app.py` (options come from `ClusterArgs`)."""
 
     def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
-        import torch
         from transformers import GenerationConfig
 
         import cbserve
 
         self.args = ClusterArgs(**args)
         self._board = board
+        self.ranks: RankGroup | None = None
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (tests)
             self.replica = "local"
-        model, self.tokenizer = cbserve.load_model(name_or_path=self.args.model, dtype=getattr(torch, self.args.dtype))
+        tp = self.args.tp_size
+        offload = offload_share_gib(self.args.cpu_offload, per_replica_resources(self.args), max_replicas(self.args))
+        if tp > 1 and offload > 0:
+            logger.warning("CPU offload is off with tp_size > 1 (the engine does not offload across ranks)")
+            offload = 0.0
         engine = dict(self.args.engine)
-        engine.update(
-            per_request_processors=True,
-            return_logprobs=True,
-            tp_size=self.args.tp_size,
-            cpu_offload_space=offload_share_gib(
-                self.args.cpu_offload, per_replica_resources(self.args), max_replicas(self.args)
-            ),
-        )
+        engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
+        if tp > 1:  # the other ranks load their copy while this one does
+            w = self.args.worker
+            self.ranks = RankGroup(self.args.model, self.args.dtype, tp, engine, w.num_cpus, w.num_gpus)
+        model, self.tokenizer = load_on_device(self.args.model, self.args.dtype)
+        if self.ranks is not None:
+            self.ranks.join()
         eos = _eos_ids(model, self.tokenizer)
         self.manager = cbserve.init_continuous_batching(
             model,
@@ -115,3 +122,5 @@ class LLMWorker:
         finally:
             manager.destroy()
             self.manager = None
+            if self.ranks is not None:
+                self.ranks.stop()
