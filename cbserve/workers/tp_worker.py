@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +39,61 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "cbserve.workers.tp_wor
 
 def data_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class PackedModule:
+    """A module on its way to a rank process: its tensors on the meta device, their data in one
+    flat host buffer per dtype. Pickled tensor by tensor, a model would need one shared-memory
+    descriptor each, and the forkserver passes at most 256 (SmolLM2 has 272 tensors)."""
+
+    module: torch.nn.Module
+    flat: dict[torch.dtype, torch.Tensor]
+    # (module path, attribute, is a parameter, index of the unique tensor)
+    entries: list[tuple[str, str, bool, int]]
+    # per unique tensor: (dtype, offset, shape)
+    tensors: list[tuple[torch.dtype, int, tuple[int, ...]]]
+
+    @classmethod
+    def pack(cls, module: torch.nn.Module) -> PackedModule:
+        """Consumes `module` (its tensors are replaced by meta ones)."""
+        unique: dict[int, int] = {}
+        sources: list[torch.Tensor] = []
+        entries: list[tuple[str, str, bool, int]] = []
+        for path, sub in module.named_modules():
+            for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in unique:  # tied weights travel once
+                        unique[id(t)] = len(sources)
+                        sources.append(t)
+                    entries.append((path, name, is_param, unique[id(t)]))
+        sizes: dict[torch.dtype, int] = {}
+        tensors = []
+        for t in sources:
+            tensors.append((t.dtype, sizes.get(t.dtype, 0), tuple(t.shape)))
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+        flat = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+        for t, (dtype, offset, _) in zip(sources, tensors):
+            flat[dtype][offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+        for path, name, is_param, _ in entries:
+            sub = module.get_submodule(path)
+            table = sub._parameters if is_param else sub._buffers
+            meta = table[name].detach().to("meta")
+            table[name] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+        return cls(module, flat, entries, tensors)
+
+    def unpack(self) -> torch.nn.Module:
+        views: dict[tuple[int, bool], torch.Tensor] = {}
+        for path, name, is_param, index in self.entries:
+            if (index, is_param) not in views:
+                dtype, offset, shape = self.tensors[index]
+                t = self.flat[dtype][offset : offset + math.prod(shape)].view(shape)
+                views[index, is_param] = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+            sub = self.module.get_submodule(path)
+            (sub._parameters if is_param else sub._buffers)[name] = views[index, is_param]
+        return self.module
 
 
 def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
@@ -73,7 +130,7 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
             logger.debug("rank %d: %s", groups.rank, message.kind)
 
 
-def worker_main(rank: int, world: int, port: int, shard: torch.nn.Module, timeout: float,
+def worker_main(rank: int, world: int, port: int, packed: PackedModule, timeout: float,
                 device_type: str, num_threads: int) -> None:
     """Entry point of a local rank process."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
@@ -88,7 +145,7 @@ def worker_main(rank: int, world: int, port: int, shard: torch.nn.Module, timeou
     code = 0
     try:
         groups = TPGroups(rank, world, timeout, data_backend(device))
-        follow(shard.to(device), groups, device)
+        follow(packed.unpack().to(device), groups, device)
     except TensorParallelError:
         code = 1  # logged where raised
     except Exception:
@@ -113,12 +170,12 @@ class LocalRanks:
         self._lock = threading.Lock()
         try:
             for rank in range(1, world):
-                shard = shard_model(model, rank, world)
+                packed = PackedModule.pack(shard_model(model, rank, world))
                 proc = ctx.Process(target=worker_main, name=f"cbserve-tp-rank{rank}", daemon=True,
-                                   args=(rank, world, self.store.port, shard, timeout, device.type, threads))
+                                   args=(rank, world, self.store.port, packed, timeout, device.type, threads))
                 proc.start()
                 self.procs.append(proc)
-                del shard
+                del packed
             self._wait_ready()
         except BaseException:
             self.stop(grace=0.0)
