@@ -341,6 +341,7 @@ class TestOnLocalRay:
         torn = json.dumps(lost[0])[:25]
         out.write_text("".join(json.dumps(r) + "\n" for r in kept) + torn, encoding="utf-8")
 
+        opts.replicas = 1  # a new job, and a smaller pool this time
         second = asyncio.run(run_batch(opts))
         assert (second.skipped, second.written) == (NUM_LINES - 50, 50)
         redone = read_records(out)
@@ -361,7 +362,7 @@ class TestOnLocalRay:
         subset = list(range(60))  # good, bad and duplicate lines among the first 60
         inp = write_input(tmp_path / "prompts.jsonl", [lines.texts[i] for i in subset])
         out = tmp_path / "results.jsonl"
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.start(proxy_location="Disabled")  # the job reaches the workers through a handle, not HTTP
         try:
             args = {
                 "model": str(model_dir),
