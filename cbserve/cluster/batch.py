@@ -334,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         opts = options_from_args(ns)
-    except ValueError as exc:
+        if opts.output.resolve() == opts.input.resolve():
+            raise ValueError("--output must not be the --input file")
+        if opts.serve_app is None:
+            cluster_args(opts)  # bad engine settings fail here, before Ray starts
+    except (ValueError, ValidationError) as exc:
         parser.error(str(exc))
     import ray
 

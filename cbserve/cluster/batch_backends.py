@@ -123,7 +123,12 @@ class EnginePool:
         self._actors = [cls.remote(self._args) for _ in range(self._replicas)]
         self._in_flight = [0] * self._replicas
         logger.info("starting %d engine actor(s) (%s each)", self._replicas, self._options)
-        infos = await asyncio.gather(*(a.info.remote() for a in self._actors))
+        from ray.exceptions import RayActorError
+
+        try:
+            infos = await asyncio.gather(*(a.info.remote() for a in self._actors))
+        except RayActorError as exc:  # the constructor raised: a bad model path, engine config, ...
+            raise RuntimeError(f"the engine actors could not start: {exc}") from exc
         self.has_chat_template = bool(infos[0]["has_chat_template"])
 
     async def run(self, req: WorkerRequest) -> Outcome:
