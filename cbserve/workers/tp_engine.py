@@ -173,6 +173,9 @@ class TensorParallelEngine(EngineCore):
                     raise RuntimeError(f"rank {groups.rank}: under torchrun the engine runs on rank 0; other "
                                        "ranks call cbserve.serve_tensor_parallel_rank(model, config)")
             else:
+                if device.type == "cuda" and torch.cuda.device_count() < world:
+                    raise ValueError(f"tp_size={world} needs {world} GPUs (one per rank); "
+                                     f"this machine has {torch.cuda.device_count()}")
                 if dist.is_initialized():
                     raise RuntimeError("a torch.distributed group is already initialized in this process")
                 local = LocalRanks(model, world, timeout, device)
@@ -199,6 +202,11 @@ class TensorParallelEngine(EngineCore):
             raise
         self.groups = groups
         self._ranks = ranks
+        fair_threads = max(1, (os.cpu_count() or 1) // world)
+        if device.type == "cpu" and torch.get_num_threads() > fair_threads:
+            logger.warning("%d ranks share %d CPUs and rank 0 uses %d torch threads: oversubscribed threads "
+                           "spin; consider torch.set_num_threads(%d)", world, os.cpu_count(),
+                           torch.get_num_threads(), fair_threads)
         ranks.heartbeat.start()
         self._finalizer = weakref.finalize(self, ranks.close)
         logger.info("tensor parallel: %d ranks, %s, cpu_group_timeout=%gs", world, data_backend(device), timeout)

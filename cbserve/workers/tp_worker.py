@@ -41,6 +41,13 @@ def data_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Local rank r's device: the GPU r places after rank 0's (NCCL needs one GPU per rank)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())
+
+
 @dataclass
 class PackedModule:
     """A module on its way to a rank process: its tensors on the meta device, their data in one
@@ -131,11 +138,11 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
 
 
 def worker_main(rank: int, world: int, port: int, packed: PackedModule, timeout: float,
-                device_type: str, num_threads: int) -> None:
+                device_name: str, num_threads: int) -> None:
     """Entry point of a local rank process."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
-    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -172,7 +179,8 @@ class LocalRanks:
             for rank in range(1, world):
                 packed = PackedModule.pack(shard_model(model, rank, world))
                 proc = ctx.Process(target=worker_main, name=f"cbserve-tp-rank{rank}", daemon=True,
-                                   args=(rank, world, self.store.port, packed, timeout, device.type, threads))
+                                   args=(rank, world, self.store.port, packed, timeout,
+                                         str(rank_device(device, rank)), threads))
                 proc.start()
                 self.procs.append(proc)
                 del packed
