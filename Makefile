@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench
+.PHONY: install serve generate test lint bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The whole Serve app on the default model: the OpenAI API at http://127.0.0.1:8000/v1.
 serve: install
+	$(VENV)/bin/serve run ray_config.yaml
+
+# The engine alone, no Ray: a few chat prompts through generate_batch.
+generate: install
 	$(PY) -m cbserve generate --prompt "What is the capital of France?" \
 		--prompt "Write a haiku about the sea." --prompt "Explain continuous batching in one sentence."
 
