@@ -53,16 +53,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]},
         )
-        # Both apps start together (replica start-up dominates); wait for both to run.
-        serve._run(build_app(_args(model_dir, api_key=API_KEY)), name="cbserve", route_prefix="/", _blocking=False)
+        serve.run(build_app(_args(model_dir, api_key=API_KEY)), name="cbserve", route_prefix="/")
         serve.run(
             build_app(_args(model_dir, worker={"num_replicas": 2, "graceful_shutdown_timeout_s": 60})),
             name="routed", route_prefix="/routed",
         )
-        deadline = time.monotonic() + 300
-        while serve.status().applications["cbserve"].status != "RUNNING":
-            assert time.monotonic() < deadline, serve.status().applications["cbserve"]
-            time.sleep(0.5)
         yield {"http": http_port, "grpc": grpc_port, "model_dir": model_dir, "serve": serve}
     finally:
         serve.shutdown()
@@ -395,23 +390,23 @@ def test_shared_prefix_follows_its_replica_while_load_is_within_threshold(cluste
 
 
 def test_unequal_load_spreads_over_replicas(cluster: dict[str, Any]) -> None:
-    """Concurrent long requests with distinct prompts go to both replicas (least outstanding),
-    and so do requests sharing a prefix once its replica is loaded past the threshold."""
-    def long_request(i: int) -> str:
-        return _replica_of(cluster, f"{i} distinct prompt number {i} " * 3, max_tokens=120)
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        distinct = set(pool.map(long_request, range(8)))
-    assert len(distinct) == 2
-
-    shared = "a shared prefix that is long enough to hash twice over "
-
-    def shared_request(i: int) -> str:
-        return _replica_of(cluster, shared + str(i), max_tokens=120)
-
-    with concurrent.futures.ThreadPoolExecutor(12) as pool:  # threshold 4: 12 at once cannot all fit
-        spread = set(pool.map(shared_request, range(12)))
-    assert len(spread) == 2
+    """Distinct prompts go to the replica with fewer outstanding requests; a shared prefix stays
+    on its replica until that one's queue exceeds the other's by more than the threshold (4)."""
+    streams: list[tuple[http.client.HTTPConnection, str]] = []
+    try:
+        streams += [_open_stream(cluster, f"{i} distinct prompt " * 3, 400) for i in range(2)]  # distinct 1st chunk
+        assert streams[0][1] != streams[1][1]
+        for conn, _ in streams:
+            conn.close()
+        time.sleep(1.0)  # the cancelled requests leave the replicas' queues
+        shared = "a shared prefix that is long enough to hash twice over "
+        streams = [_open_stream(cluster, shared + str(i), 400) for i in range(6)]
+        owner = streams[0][1]
+        assert [replica for _, replica in streams[:5]] == [owner] * 5  # queue 4 vs 0: still within 4
+        assert streams[5][1] != owner  # queue 5 vs 0: past the threshold, to the least loaded
+    finally:
+        for conn, _ in streams:
+            conn.close()
 
 
 def test_deleting_the_app_drains_in_flight_requests(cluster: dict[str, Any]) -> None:
