@@ -84,22 +84,12 @@ def greedy_config(max_new_tokens: int, pad_token_id: int | None) -> GenerationCo
 
 
 def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None) -> tuple[list, str]:
-    from cbserve.api import generate_batch
-    from cbserve.config import ContinuousBatchingConfig
-
-    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}))
-    if len(set(work.lengths)) == 1:
-        gen = greedy_config(work.lengths[0], pad_id)
-        outs = generate_batch(model, work.prompts, gen, cb_config, progress_bar=False)
-        return [outs[f"req_{i}"].generated_tokens for i in range(len(work.prompts))], "generate_batch"
-    return _run_cbserve_engine_core(model, work, pad_id, cb_config), "EngineCore, per-request lengths"
-
-
-def _run_cbserve_engine_core(model, work: Workload, pad_id: int | None, cb_config) -> list[list[int]]:
     """The loop of `generate_batch`, with each request's own max_new_tokens (which `generate_batch`'s
-    single generation config cannot express)."""
+    single generation config cannot express), and the engine's host overhead share."""
+    from cbserve.config import ContinuousBatchingConfig
     from cbserve.workers.engine import EngineCore
 
+    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}))
     engine = EngineCore(
         model,
         greedy_config(max(work.lengths), pad_id),
@@ -116,7 +106,10 @@ def _run_cbserve_engine_core(model, work: Workload, pad_id: int | None, cb_confi
             engine.add_request(request)
         while engine.has_work:
             engine.step()
-        return [r.snapshot().generated_tokens for r in requests]
+        t = engine.timings
+        host = (t["schedule"] + t["prepare"]) / max(sum(t.values()), 1e-9)
+        note = f"EngineCore; host overhead (schedule+prepare) {100 * host:.1f}% of step time"
+        return [r.snapshot().generated_tokens for r in requests], note
     finally:
         engine.release_model()
 
