@@ -288,6 +288,15 @@ def lines(model_dir: Path) -> Lines:
     return built
 
 
+def subset_of(lines: Lines, n: int) -> Lines:
+    """The first n lines (duplicates always come after the line they repeat)."""
+    return Lines(
+        texts=lines.texts[:n],
+        good={k: v for k, v in lines.good.items() if v["line"] <= n},
+        bad={lineno: v for lineno, v in lines.bad.items() if lineno <= n},
+    )
+
+
 def write_input(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(t + "\n" for t in texts) + "\n", encoding="utf-8")  # a trailing blank line
     return path
@@ -330,6 +339,7 @@ class TestOnLocalRay:
         opts = options(model_dir, inp, out, replicas=2, concurrency=48)
 
         first = asyncio.run(run_batch(opts))
+        assert [e["tp_ranks"] for e in first.engines] == [1, 1]
         records = read_records(out)
         check_records(records, lines)
         assert (first.lines, first.blank, first.skipped, first.written) == (NUM_LINES, 1, 0, NUM_LINES)
@@ -354,6 +364,18 @@ class TestOnLocalRay:
         assert (third.skipped, third.written) == (NUM_LINES, 0)
         assert read_records(out) == redone
 
+    def test_tensor_parallel_engine_equals_python_api(
+        self, model_dir: Path, lines: Lines, tmp_path: Path
+    ) -> None:
+        """--tp-size 2: one engine actor (rank 0) and its second rank in one placement group."""
+        inp = write_input(tmp_path / "prompts.jsonl", lines.texts[:30])
+        out = tmp_path / "results.jsonl"
+        summary = asyncio.run(run_batch(options(model_dir, inp, out, tp_size=2, num_cpus=1.0)))
+        assert summary.engines == [{"has_chat_template": True, "tp_ranks": 2}]
+        sub = subset_of(lines, 30)
+        assert summary.written == 30 and summary.ok == len(sub.good)
+        check_records(read_records(out), sub)
+
     def test_serve_app_mode_equals_python_api(self, model_dir: Path, lines: Lines, tmp_path: Path) -> None:
         from ray import serve
 
@@ -376,11 +398,7 @@ class TestOnLocalRay:
                 asyncio.run(run_batch(options(model_dir, inp, tmp_path / "other.jsonl", serve_app="nope")))
         finally:
             serve.shutdown()
-        sub = Lines(
-            texts=[lines.texts[i] for i in subset],
-            good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
-            bad={n: v for n, v in lines.bad.items() if n <= len(subset)},
-        )
+        sub = subset_of(lines, len(subset))
         assert summary.written == len(subset) and summary.ok == len(sub.good)
         check_records(read_records(out), sub)
 
@@ -392,43 +410,38 @@ def _ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class RayHead:
+    address: str  # the dashboard's, for `ray job`
+    env: dict[str, str]  # this cluster's own auth token: ~/.ray/auth_token is shared with other clusters
+
+
 @pytest.fixture
 def ray_head() -> Any:
     """`ray start --head --block` in its own session; stopped by signalling that process only."""
     temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths have a length limit
     dash = free_port()
-    cmd = [
-        _ray_cli(),
-        "start",
-        "--head",
-        "--block",
-        f"--port={free_port()}",
-        "--num-cpus=1",
-        "--include-dashboard=true",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}
+    cmd = [_ray_cli(), "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=1",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--temp-dir={temp_dir}", "--disable-usage-stats"]  # fmt: skip
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    head = RayHead(f"http://127.0.0.1:{dash}", env)
     try:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, Path(temp_dir, "ray-start.log").read_text()
-            probe = subprocess.run(
-                [_ray_cli(), "job", "list", "--address", address],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            probe = _run([_ray_cli(), "job", "list", "--address", head.address], env, 60)
             if probe.returncode == 0:
                 break
             assert time.monotonic() < deadline, f"the Ray head did not come up: {probe.stderr[-2000:]}"
             time.sleep(2)
-        yield address
+        yield head
     finally:
         proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its own processes on SIGTERM
         try:
@@ -440,59 +453,29 @@ def ray_head() -> Any:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+JOB_STATUS = (
+    "import sys; from ray.job_submission import JobSubmissionClient as C; "
+    "print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)"
+)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_job_submit_succeeds(ray_head: str, model_dir: Path, lines: Lines, tmp_path: Path) -> None:
+def test_ray_job_submit_succeeds(ray_head: RayHead, model_dir: Path, lines: Lines, tmp_path: Path) -> None:
     subset = list(range(30))
     inp = write_input(tmp_path / "prompts.jsonl", [lines.texts[i] for i in subset])
     out = tmp_path / "results.jsonl"
     job_id = f"cbserve-batch-test-{uuid.uuid4().hex[:8]}"
-    submit = subprocess.run(
-        [
-            _ray_cli(),
-            "job",
-            "submit",
-            "--address",
-            ray_head,
-            "--submission-id",
-            job_id,
-            "--working-dir",
-            str(REPO),
-            "--",
-            sys.executable,
-            "-m",
-            "cbserve.cluster.batch",
-            "--input",
-            str(inp),
-            "--output",
-            str(out),
-            "--model",
-            str(model_dir),
-            "--engine",
-            json.dumps(ENGINE),
-            "--max-tokens",
-            str(DEFAULT_MAX_TOKENS),
-            "--temperature",
-            "0",
-            "--no-progress",
-            "--log-every",
-            "10",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    job = [sys.executable, "-m", "cbserve.cluster.batch", "--input", str(inp), "--output", str(out),
+           "--model", str(model_dir), "--engine", json.dumps(ENGINE), "--max-tokens", str(DEFAULT_MAX_TOKENS),
+           "--temperature", "0", "--no-progress", "--log-every", "10"]  # fmt: skip
+    submit = _run([_ray_cli(), "job", "submit", "--address", ray_head.address, "--submission-id", job_id,
+                   "--working-dir", str(REPO), "--", *job], ray_head.env, 300)  # fmt: skip
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
     assert "summary:" in submit.stdout, submit.stdout[-4000:]
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
-    assert JobSubmissionClient(ray_head).get_job_status(job_id) == JobStatus.SUCCEEDED
-    sub = Lines(
-        texts=[lines.texts[i] for i in subset],
-        good={k: v for k, v in lines.good.items() if v["line"] <= len(subset)},
-        bad={n: v for n, v in lines.bad.items() if n <= len(subset)},
-    )
+    status = _run([sys.executable, "-c", JOB_STATUS, ray_head.address, job_id], ray_head.env, 120)
+    assert status.stdout.strip() == "SUCCEEDED", status.stdout + status.stderr[-2000:]
+    sub = subset_of(lines, len(subset))
     assert sub.good and sub.bad
     check_records(read_records(out), sub)
 

@@ -52,8 +52,8 @@ class BatchOptions:
     dtype: str | None = None
     tp_size: int | None = None
     replicas: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float | None = None  # None: one per tensor-parallel rank if the cluster has GPUs, else 0
+    num_cpus: float = 1.0  # per tensor-parallel rank
+    num_gpus: float | None = None  # per rank; None: 1 if the cluster has a GPU for every rank, else 0
     engine: dict[str, Any] = field(default_factory=dict)
     config: Path | None = None
     config_app: str | None = None
@@ -93,11 +93,7 @@ def cluster_args(opts: BatchOptions) -> ClusterArgs:
         worker["num_gpus"] = opts.num_gpus
     base["worker"] = worker
     base["api_key"] = None
-    args = ClusterArgs(**base)
-    if args.tp_size > 1:
-        # The engine does not start tensor-parallel ranks yet (the cluster refuses tp_size > 1 too).
-        raise ValueError("--tp-size > 1 is not supported by the engine yet; use --tp-size 1")
-    return args
+    return ClusterArgs(**base)
 
 
 def make_backend(opts: BatchOptions) -> tuple[Backend, RequestDefaults]:
@@ -107,12 +103,11 @@ def make_backend(opts: BatchOptions) -> tuple[Backend, RequestDefaults]:
     import ray
 
     args = cluster_args(opts)
-    num_gpus = opts.num_gpus
-    if num_gpus is None:
-        num_gpus = float(args.tp_size) if ray.cluster_resources().get("GPU", 0) >= args.tp_size else 0.0
-    pool = EnginePool(
-        args.model_dump(mode="json"), opts.replicas, num_cpus=opts.num_cpus * args.tp_size, num_gpus=num_gpus
-    )
+    if opts.num_gpus is None:  # one GPU per rank when the cluster has them, else CPU engines
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.tp_size else 0.0
+        args = args.model_copy(update={"worker": args.worker.model_copy(update={"num_gpus": gpus})})
+    w = args.worker
+    pool = EnginePool(args.model_dump(mode="json"), opts.replicas, args.tp_size, w.num_cpus, w.num_gpus)
     if opts.concurrency:
         pool.default_concurrency = opts.concurrency
     defaults = RequestDefaults(
@@ -179,6 +174,7 @@ class BatchJob:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 summary = progress.close()
+                summary.engines = list(self.backend.engines)
         logger.info("%s", progress.line())
         return summary
 
@@ -273,11 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="HF id or local folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tp-size", type=int, help="tensor-parallel ranks per engine (1 for now)")
+    p.add_argument("--tp-size", type=int, help="tensor-parallel ranks per engine, on one node (default 1)")
     p.add_argument("--replicas", type=int, default=1, help="engine actors (default 1)")
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per engine actor and rank (default 1)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per tensor-parallel rank (default 1)")
     p.add_argument(
-        "--num-gpus", type=float, help="GPUs per engine actor (default: tp size if the cluster has GPUs)"
+        "--num-gpus", type=float, help="GPUs per tensor-parallel rank (default: 1 if the cluster has GPUs)"
     )
     p.add_argument("--engine", type=json.loads, default={}, help="ContinuousBatchingConfig fields as JSON")
     p.add_argument(

@@ -70,6 +70,7 @@ async def collect_events(events: AsyncIterator[WorkerEvent]) -> Outcome:
 class Backend(Protocol):
     has_chat_template: bool
     default_concurrency: int
+    engines: list[dict[str, Any]]  # what `start` found, for the summary
 
     async def start(self) -> None: ...
 
@@ -90,7 +91,11 @@ class EngineActor:
         self._worker = LLMWorker(args)
 
     def info(self) -> dict[str, Any]:
-        return {"has_chat_template": getattr(self._worker.tokenizer, "chat_template", None) is not None}
+        ranks = self._worker.ranks
+        return {
+            "has_chat_template": getattr(self._worker.tokenizer, "chat_template", None) is not None,
+            "tp_ranks": 1 + (len(ranks.actors) if ranks is not None else 0),
+        }
 
     async def run(self, req: WorkerRequest) -> Outcome:
         return await collect_events(self._worker.generate(req))
@@ -100,36 +105,82 @@ class EngineActor:
 
 
 class EnginePool:
+    """`replicas` engine actors; with `tp_size > 1`, each in a placement group of `tp_size` bundles
+    on one node (STRICT_PACK), like a Serve worker replica: the actor is rank 0 in bundle 0 and
+    starts the other ranks in the other bundles (`cluster/tp_ranks.py`)."""
+
     def __init__(
         self,
         args: dict[str, Any],
         replicas: int,
-        num_cpus: float,
-        num_gpus: float,
+        tp_size: int,
+        cpus_per_rank: float,
+        gpus_per_rank: float,
         per_replica_concurrency: int = 64,
     ):
         self._args = args
         self._replicas = replicas
-        self._options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 1}
+        self._tp_size = tp_size
+        self._resources = {"CPU": cpus_per_rank, "GPU": gpus_per_rank}
         self.default_concurrency = per_replica_concurrency * replicas
         self.has_chat_template = False
+        self.engines: list[dict[str, Any]] = []
         self._actors: list[Any] = []
+        self._groups: list[Any] = []
         self._in_flight: list[int] = []
 
-    async def start(self) -> None:
+    def _warn_if_short(self) -> None:
         import ray
 
-        cls = ray.remote(EngineActor).options(**self._options)
-        self._actors = [cls.remote(self._args) for _ in range(self._replicas)]
-        self._in_flight = [0] * self._replicas
-        logger.info("starting %d engine actor(s) (%s each)", self._replicas, self._options)
+        have = ray.cluster_resources()
+        for name, per_rank in self._resources.items():
+            need = per_rank * self._tp_size * self._replicas
+            if need > have.get(name, 0.0):
+                logger.warning(
+                    "the engines need %g %s in all and the cluster has %g now: they wait for more",
+                    need,
+                    name,
+                    have.get(name, 0.0),
+                )
+
+    def _new_actor(self) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = ray.remote(EngineActor)
+        options: dict[str, Any] = {
+            "num_cpus": self._resources["CPU"],
+            "num_gpus": self._resources["GPU"],
+            "max_restarts": 1,
+        }
+        if self._tp_size > 1:
+            bundle = {k: v for k, v in self._resources.items() if v > 0} or {"CPU": 0.001}
+            group = placement_group([dict(bundle) for _ in range(self._tp_size)], strategy="STRICT_PACK")
+            self._groups.append(group)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=0
+            )
+        return cls.options(**options).remote(self._args)
+
+    async def start(self) -> None:
         from ray.exceptions import RayActorError
 
+        self._warn_if_short()
+        logger.info(
+            "starting %d engine actor(s): %d rank(s) each, %s per rank",
+            self._replicas,
+            self._tp_size,
+            self._resources,
+        )
+        self._actors = [self._new_actor() for _ in range(self._replicas)]
+        self._in_flight = [0] * self._replicas
         try:
             infos = await asyncio.gather(*(a.info.remote() for a in self._actors))
         except RayActorError as exc:  # the constructor raised: a bad model path, engine config, ...
             raise RuntimeError(f"the engine actors could not start: {exc}") from exc
         self.has_chat_template = bool(infos[0]["has_chat_template"])
+        self.engines = list(infos)
 
     async def run(self, req: WorkerRequest) -> Outcome:
         from ray.exceptions import RayActorError
@@ -148,10 +199,13 @@ class EnginePool:
 
     async def close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
-        for actor in self._actors:
+        for actor in self._actors:  # its other ranks are its own actors: they go with it
             ray.kill(actor)
-        self._actors = []
+        for group in self._groups:
+            remove_placement_group(group)
+        self._actors, self._groups = [], []
 
 
 # -- mode 2: a running Serve app ------------------------------------------------------------------
@@ -162,6 +216,7 @@ class ServeBackend:
         self._app = app_name
         self.default_concurrency = concurrency
         self.has_chat_template = False
+        self.engines: list[dict[str, Any]] = []
         self._stream: Any = None
 
     def _check_app(self) -> None:
@@ -194,6 +249,7 @@ class ServeBackend:
         handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=self._app)
         self._stream = handle.options(stream=True, method_name="generate")
         self.has_chat_template = await self._probe_chat_template()
+        self.engines = [{"serve_app": self._app, "has_chat_template": self.has_chat_template}]
         logger.info(
             "sending requests to Serve application %r (chat template: %s)", self._app, self.has_chat_template
         )

@@ -25,6 +25,7 @@ class Summary:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     elapsed_s: float = 0.0
+    engines: list[dict[str, Any]] = field(default_factory=list)  # what ran the requests
 
     def as_dict(self) -> dict[str, Any]:
         secs = max(self.elapsed_s, 1e-9)
@@ -41,6 +42,7 @@ class Summary:
             "elapsed_s": round(self.elapsed_s, 3),
             "requests_per_s": round(self.written / secs, 3),
             "completion_tokens_per_s": round(self.completion_tokens / secs, 3),
+            "engines": self.engines,
         }
 
 
