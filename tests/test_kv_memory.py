@@ -98,3 +98,15 @@ def test_sliding_window_memory_grows_with_window_not_length() -> None:
     assert peak_pages(32, 40, 20) > short  # a wider window holds more pages
     # Full attention would hold (40 + 150) / 4 pages for the first request alone.
     assert long < (40 + 150) // 4
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once() -> None:
+    """All requests arrive together: the later ones wait one step for the shared pages
+    instead of computing them alongside the first."""
+    model = tiny_model("llama")
+    system = random_prompts([70], seed=1)[0]
+    prompts = [system + tail for tail in random_prompts([3, 9, 17, 1, 40], seed=2)]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True)
+    requests, engine = run_engine(model, prompts, cfg, max_new=8)
+    assert_matches_reference(requests, [reference_generate(model, p, 8) for p in prompts])
+    assert engine.stats()["prefix_hit_tokens"] == (len(prompts) - 1) * 4 * 16

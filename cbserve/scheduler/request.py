@@ -44,6 +44,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Pages that prefix caching has already hashed (a prefix of block_ids).
     num_hashed_blocks: int = 0
+    # Hash chain of the full prompt pages (prefix caching), computed once.
+    prompt_page_hashes: list[int] | None = None
     # Leading pages given back because they left every layer's sliding window.
     num_released_blocks: int = 0
     # Host pool pages holding this request's KV while it is evicted (CPU offload).

@@ -120,24 +120,30 @@ class Scheduler:
 
     def _admit(self, batch: list[ScheduledRequest], budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(batch) < self.max_requests:
-            nothing_runs = not self.running
-            if not nothing_runs and bm.num_free < self.safety_margin * bm.num_blocks:
+        in_flight = {h for r in self.running for h in bm.pages_in_flight(r)}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(batch) < self.max_requests:
+            if self.running and bm.num_free < self.safety_margin * bm.num_blocks:
                 break
-            request = self.waiting[0]
+            request = self.waiting[i]
             restored = request.num_offloaded_tokens
             if not restored:
                 bm.match_prefix(request)
+                if bm.waits_for_prefix(request, in_flight):  # its prefix is being computed
+                    bm.free(request)
+                    i += 1
+                    continue
             computed = restored or request.num_computed
             num = min(request.num_tokens - computed, budget)
             if not bm.allocate(request, computed + num):
-                bm.free(request)  # release the prefix pages it matched; it stays first in line
+                bm.free(request)  # release the prefix pages it matched; it stays in line
                 break
             if restored:
                 self.offload_pool.restore(request)
-            self.waiting.popleft()
+            del self.waiting[i]
             self.prefix_hit_tokens += request.num_computed
             self.running.append(request)
             request.status = RequestStatus.PREFILLING
             batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            in_flight.update(bm.pages_in_flight(request))
             budget -= num

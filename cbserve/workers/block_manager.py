@@ -64,6 +64,33 @@ class BlockManager:
             del self._free[block.block_id]
         block.ref_count += 1
 
+    def prompt_hashes(self, request: Request) -> list[int]:
+        """The hash chain of the request's full prompt pages, computed once."""
+        if request.prompt_page_hashes is None:
+            chain, parent, ps = [], NO_HASH, self.page_size
+            for i in range(len(request.prompt_ids) // ps):
+                parent = page_hash(parent, tuple(request.prompt_ids[i * ps : (i + 1) * ps]))
+                chain.append(parent)
+            request.prompt_page_hashes = chain
+        return request.prompt_page_hashes
+
+    def pages_in_flight(self, request: Request) -> list[int]:
+        """Hashes of the prompt pages this request has yet to compute."""
+        if not self.enable_prefix_caching or request.num_pending <= 1:
+            return []
+        return self.prompt_hashes(request)[request.num_computed // self.page_size :]
+
+    def waits_for_prefix(self, request: Request, in_flight: set[int]) -> bool:
+        """True when the request's next uncached page is being computed by a running request:
+        admitting it later serves that page from cache instead of computing it twice."""
+        if not self.enable_prefix_caching or not in_flight:
+            return False
+        next_page = len(request.block_ids)
+        if next_page >= (request.num_tokens - 1) // self.page_size:
+            return False  # the remaining pages could never be served from cache
+        hashes = self.prompt_hashes(request)
+        return next_page < len(hashes) and hashes[next_page] in in_flight
+
     def match_prefix(self, request: Request) -> None:
         """Attach cached full pages of the request's tokens; the last token is always computed."""
         if not self.enable_prefix_caching or request.block_ids:
