@@ -215,7 +215,7 @@ def test_default_values_render_the_serve_config_of_ray_config(helm: Any) -> None
     # Everything comes from ray_config.yaml except what depends on the Kubernetes cluster.
     expected = copy.deepcopy(ray_args)
     expected.update(tp_size=1, dtype="bfloat16", api_key=None)
-    expected["worker"].update(num_gpus=1, num_cpus=2)
+    expected["worker"].update(num_gpus=1, num_cpus=1)
     expected["worker"]["autoscaling"].update(min_replicas=1, max_replicas=4, initial_replicas=1)
     assert args == expected
     app, ray_app = cfg["applications"][0], ray_cfg["applications"][0]
@@ -314,6 +314,8 @@ def test_fixed_replicas_without_autoscaling(helm: Any) -> None:
         ({"tp_size": 0}, "tp_size must be at least 1"),
         ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas <= maxReplicas"),
         ({"autoscaling": {"enabled": False}, "replicas": 0}, "replicas must be at least 1"),
+    ({"tp_size": 8}, "a GPU worker pod has 8 CPUs but a replica needs"),
+    ({"worker": {"resources": {"limits": {"cpu": "1500m"}}}, "tp_size": 2}, "has 1.5 CPUs"),
     ],
 )
 def test_bad_values_fail_with_a_message(helm: Any, values: dict[str, Any], message: str) -> None:

@@ -34,6 +34,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- else if lt (int .Values.replicas) 1 -}}
 {{- fail "replicas must be at least 1 when autoscaling is disabled" -}}
 {{- end -}}
+{{- /* A worker pod must hold a whole replica (all its ranks: STRICT_PACK) plus the small deployments. */ -}}
+{{- $res := .Values.worker.resources | default dict -}}
+{{- $cpu := dig "limits" "cpu" (dig "requests" "cpu" "" $res) $res | toString -}}
+{{- if $cpu -}}
+{{- $cores := 0.0 -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $cores = divf (trimSuffix "m" $cpu | float64) 1000.0 -}}
+{{- else -}}
+{{- $cores = float64 $cpu -}}
+{{- end -}}
+{{- $need := addf (mulf (float64 .Values.worker.cpusPerRank) (float64 .Values.tp_size)) (mulf 2.0 (float64 .Values.serve.ingressCpus)) -}}
+{{- if lt $cores $need -}}
+{{- fail (printf "worker.resources: a GPU worker pod has %v CPUs but a replica needs worker.cpusPerRank x tp_size = %v x %v, plus %v for the ingress and stats board: raise the CPUs or lower worker.cpusPerRank" $cores .Values.worker.cpusPerRank .Values.tp_size (mulf 2.0 (float64 .Values.serve.ingressCpus))) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
