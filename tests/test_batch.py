@@ -325,7 +325,8 @@ class TestOnLocalRay:
     def local_ray(self) -> Any:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # address="local": a new cluster, never one that `ray start` left on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             yield
         finally:

@@ -47,7 +47,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     model_dir = tiny_model_dir(tmp_path_factory)
     http_port, grpc_port = free_port(), free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a new cluster, never one that `ray start` left on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
