@@ -110,3 +110,31 @@ def test_a_burst_sharing_a_prefix_computes_it_once() -> None:
     requests, engine = run_engine(model, prompts, cfg, max_new=8)
     assert_matches_reference(requests, [reference_generate(model, p, 8) for p in prompts])
     assert engine.stats()["prefix_hit_tokens"] == (len(prompts) - 1) * 4 * 16
+
+
+def test_cancel_while_offloaded_frees_host_and_device_pages() -> None:
+    from transformers import GenerationConfig
+
+    from cbserve.workers.engine import EngineCore
+
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    engine = EngineCore(tiny_model("qwen3"), gc, small_cache(cpu_offload_space=0.01))
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(random_prompts(list(LENGTHS)))]
+        for r in requests:
+            engine.add_request(r)
+        offloaded = None
+        while engine.has_work and offloaded is None:
+            engine.step()
+            offloaded = next((r for r in requests if r.host_block_ids), None)
+        assert offloaded is not None, "the small cache never evicted a request"
+        pool = engine.offload_pool
+        assert pool.num_free < pool.num_blocks
+        engine.cancel_request(offloaded.request_id)
+        assert offloaded.host_block_ids == [] and offloaded.status == cbserve.RequestStatus.CANCELLED
+        while engine.has_work:
+            engine.step()
+        assert pool.num_free == pool.num_blocks
+        assert all(r.status.is_final for r in requests)
+    finally:
+        engine.release_model()
