@@ -9,11 +9,11 @@ from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
-    "continuous_batching",
-    "init_continuous_batching",
     "FinishReason",
     "GenerationOutput",
     "RequestStatus",
+    "continuous_batching",
     "generate_batch",
+    "init_continuous_batching",
     "load_model",
 ]

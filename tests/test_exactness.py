@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from transformers import GenerationConfig
 
 import cbserve
@@ -60,7 +59,7 @@ def test_greedy_equals_generate(arch: str, page_size: int) -> None:
 
 def test_chunked_prefill_with_tiny_token_budget() -> None:
     cfg = cbserve.ContinuousBatchingConfig(page_size=16, max_batch_tokens=7, return_logprobs=True, num_blocks=300)
-    requests, engine = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
+    requests, _engine = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
     assert_matches_reference(requests, reference("llama", tuple(LENGTHS), MAX_NEW))
 
 

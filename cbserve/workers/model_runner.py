@@ -80,13 +80,13 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             prefills=chunks,
         )
-        kwargs = dict(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.cat(positions)[None].to(self.device),
-            logits_to_keep=torch.tensor(sample_rows or [0], device=self.device),
-            cb_meta=meta,
-            use_cache=False,
-        )
+        kwargs = {
+            "input_ids": torch.tensor([input_ids], device=self.device),
+            "position_ids": torch.cat(positions)[None].to(self.device),
+            "logits_to_keep": torch.tensor(sample_rows or [0], device=self.device),
+            "cb_meta": meta,
+            "use_cache": False,
+        }
         return kwargs, sampled
 
     @torch.inference_mode()
