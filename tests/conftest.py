@@ -9,6 +9,8 @@ from cbserve.workers.engine import LIVE_ENGINES
 def pages_return_to_total():
     """After every test, every engine's free pages equal its total: nothing leaks."""
     yield
+    if not LIVE_ENGINES:  # most tests build no engine: skip the (slow) collection
+        return
     gc.collect()
     for engine in list(LIVE_ENGINES):
         bm = engine.block_manager
