@@ -39,6 +39,15 @@ def generate_batch(
         num_requests_hint=len(inputs),
     )
     try:
+        return run_to_completion(engine, inputs, progress_bar)
+    finally:
+        engine.release_model()
+
+
+def run_to_completion(engine: EngineCore, inputs: list[list[int]], progress_bar: bool) -> dict[str, GenerationOutput]:
+    """Submit every prompt and step the engine until all are done; on an error every live
+    request is failed (its pages freed) before the error propagates."""
+    try:
         requests = [engine.make_request(list(p), f"req_{i}") for i, p in enumerate(inputs)]
         for request in requests:
             engine.add_request(request)
@@ -51,8 +60,9 @@ def generate_batch(
                     rate = engine.generated_tokens / max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"{rate:.1f} tok/s")
         return {r.request_id: r.snapshot() for r in requests}
-    finally:
-        engine.release_model()
+    except BaseException as error:
+        engine.fail_all(error)
+        raise
 
 
 def init_continuous_batching(

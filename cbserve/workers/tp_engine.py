@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
@@ -261,22 +260,11 @@ def generate_batch_tp(
     gc = generation_config or model.generation_config
     default_new = gc.max_new_tokens if gc.max_new_tokens is not None else 20
     engine = TensorParallelEngine(model, gc, config, sum(len(p) + default_new for p in inputs), len(inputs))
+    from cbserve.api import run_to_completion
+
     outputs: dict[str, GenerationOutput] | None = None
     try:
-        requests = [engine.make_request(list(p), f"req_{i}") for i, p in enumerate(inputs)]
-        for request in requests:
-            engine.add_request(request)
-        start = time.perf_counter()
-        with tqdm(total=len(requests), desc="generate_batch", unit="req", disable=not progress_bar) as bar:
-            while engine.has_work:
-                done = sum(r.status.is_final for r in engine.step())
-                if done:
-                    bar.update(done)
-                    bar.set_postfix_str(f"{engine.generated_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
-        outputs = {r.request_id: r.snapshot() for r in requests}
+        outputs = run_to_completion(engine, inputs, progress_bar)
         return outputs
-    except BaseException as error:
-        engine.fail_all(error)  # every page back before the error propagates
-        raise
     finally:
         engine.release_model(outputs if launched_externally() else None)
