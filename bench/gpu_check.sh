@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine (none exists where this was written; it has never run on one).
 #   1. the kernel tests compiled for the GPU (no Triton interpreter),
-#   2. the test suite without the Ray tests, with CBSERVE_TEST_DEVICE=cuda,
-#   3. the throughput benchmark on every workload.
+#   2. the engine on the triton and flash backends with real decode CUDA graphs vs generate()
+#      (tests/test_backends.py), then the test suite without the Ray tests,
+#   3. the throughput benchmark on every workload, on a random-weight model of Qwen3-0.6B's shape
+#      (the default model's file is not needed on the GPU machine).
 # Each step runs under `timeout`; the limits add up to 7.5 minutes. Every step runs even if an
 # earlier one failed; a summary is printed at the end and the exit status is 1 if any step failed.
 # Usage: bench/gpu_check.sh            (PYTHON=/path/to/python to choose the interpreter)
@@ -45,9 +47,10 @@ step() {
     SUMMARY+=("$(printf '%-12s %-16s %4ds  %s' "$name" "$outcome" $((SECONDS - start)) "$(tail -n 1 "$log")")")
 }
 
-step kernels 120 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/test_kernels.py
-step tests 240 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -m "not ray" tests
-step throughput 90 "$PYTHON" bench/throughput.py --workload all
+step kernels 90 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/test_kernels.py
+step backends 120 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/test_backends.py
+step tests 150 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -m "not ray" tests
+step throughput 90 "$PYTHON" bench/throughput.py --workload all --random-shape qwen3-0.6b --device cuda --requests 64
 
 echo
 echo "=== gpu_check summary (logs in $LOG_DIR)"

@@ -56,6 +56,23 @@ class Run:
         return self.output_tokens / self.seconds
 
 
+# Real models' shapes for random-weight runs (GPU checks, where the default model's file is absent).
+RANDOM_SHAPES = {
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936},
+}
+
+
+def random_model(shape: str, device: str):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**RANDOM_SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
+    model.config._name_or_path = f"random {shape}"
+    return model.to(device).eval()
+
+
 # -- workloads ---------------------------------------------------------------------------------
 
 
@@ -154,8 +171,8 @@ def run_hf_static(model, work: Workload, pad_id: int | None, page_size: int | No
         prompts = work.prompts[start : start + STATIC_BATCH]
         lengths = work.lengths[start : start + STATIC_BATCH]
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         gen = model.generate(ids, attention_mask=mask, generation_config=greedy_config(max(lengths), pad_id))
         out.extend(gen[row, width : width + n].tolist() for row, n in enumerate(lengths))
     return out, f"generate(), batches of {STATIC_BATCH}"
@@ -196,7 +213,7 @@ def alone_reference(model, work: Workload, count: int, pad_id: int | None) -> li
     out = []
     with torch.inference_mode():
         for prompt, n in list(zip(work.prompts, work.lengths, strict=True))[:count]:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             gen = model.generate(
                 ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(n, pad_id)
             )
@@ -207,16 +224,19 @@ def alone_reference(model, work: Workload, count: int, pad_id: int | None) -> li
 def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str, float]:
     """Best time of `F.linear` over every weight matrix (all layers' projections and lm_head)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype) for w in weights}
+    inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(2):  # warm-up
             for w in weights:
                 F.linear(inputs[w.shape[1]], w)
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             for w in weights:
                 F.linear(inputs[w.shape[1]], w)
+            sync()
             best = min(best, time.perf_counter() - start)
     flops = sum(2 * tokens * w.numel() for w in weights)
     return {
@@ -257,6 +277,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {ENGINES}")
     parser.add_argument("--requests", type=int, default=None, help="shrink each workload to N requests")
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES), default=None,
+                        help="a random-weight model of a real model's shape instead of --model (no files needed)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--page-size", type=int, default=None, help="KV page size for both CB engines")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -290,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    if args.random_shape:
+        model, pad_id, special = random_model(args.random_shape, args.device), 0, {0}
+    else:
+        model, tokenizer = load_model(args.model, dtype=torch.float32)
+        model = model.to(args.device)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        special = set(tokenizer.all_special_ids)
     model.generation_config.eos_token_id = None  # generate() would otherwise fill EOS back in
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    special = set(tokenizer.all_special_ids)
     allowed = [t for t in range(model.config.vocab_size) if t not in special]
     names = ["mixed", "decode"] if args.workload == "all" else [args.workload]
     workloads = [make_workload(n, allowed, args.requests, args.seed) for n in names]

@@ -37,6 +37,7 @@ def generate_batch(
         model, gc, continuous_batching_config,
         max_total_tokens_hint=sum(len(p) + default_new for p in inputs),
         num_requests_hint=len(inputs),
+        max_request_tokens_hint=max((len(p) for p in inputs), default=0) + default_new,
     )
     try:
         return run_to_completion(engine, inputs, progress_bar)

@@ -9,6 +9,10 @@ writes the new K/V into the layer's pages by slot mapping, then attends:
 - prefill chunks one request at a time, causal with an offset over the cached prefix.
 
 No dense block-diagonal mask over the whole batch is ever built.
+
+With a kernel backend (`backends.py`: triton, flash, reference) the step's block tables go to
+the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
+over every request otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from cbserve.kernels.backends import KernelBackend
 
 ATTENTION_NAME = "cbserve_paged"
 
@@ -76,6 +82,17 @@ class PrefillChunk:
 
 
 @dataclass
+class KernelInputs:
+    """Block-table view of a step for kernel backends; requests in row order (decodes first)."""
+
+    kernels: KernelBackend
+    block_tables: torch.Tensor  # [num_requests, pages] int64
+    context_lens: torch.Tensor  # [num_requests] int32: cached + this step's tokens
+    cu_seqlens_q: torch.Tensor  # [num_requests + 1] int32
+    decode_only: bool
+
+
+@dataclass
 class AttentionMetadata:
     """Everything the attention function needs for one step, built once for all layers."""
 
@@ -87,6 +104,8 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None  # [num_decodes, pages] int64
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
+    kernel_inputs: KernelInputs | None = None
+    fast_decode: bool = False  # decode-only batch on the fixed-width block table (decode fast path)
     _decode_kv: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def decode_kv(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +186,9 @@ def paged_attention_forward(
     if num_real < num_tokens:
         key, value = key[:, :, :num_real], value[:, :, :num_real]
         k_new, v_new = k_new[:num_real], v_new[:num_real]
+    if cb_meta.kernel_inputs is not None:
+        return _kernel_attention(query, k_new, v_new, k_cache, v_cache, cb_meta, num_real, scaling,
+                                 sliding_window, softcap), None
     store_kv(k_new, v_new, k_cache, v_cache, cb_meta.slot_mapping)
 
     out = (query.new_zeros if num_real < num_tokens else query.new_empty)(1, num_tokens, num_heads, head_dim)
@@ -198,6 +220,36 @@ def paged_attention_forward(
         o = attend(query[:, :, s:e], k, v, mask, scaling, softcap)
         out[0, s:e] = o[0].transpose(0, 1)
     return out, None
+
+
+def _kernel_attention(
+    query: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_real: int,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Store and attend with a kernel backend; returns [1, T, H, D] like the SDPA path."""
+    ki = meta.kernel_inputs
+    _, num_heads, num_tokens, head_dim = query.shape
+    scale = head_dim**-0.5 if scaling is None else scaling
+    ki.kernels.store_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    q = query[0, :, :num_real].transpose(0, 1).contiguous()  # [T, H, D]
+    if ki.decode_only:
+        o = ki.kernels.decode(q, k_cache, v_cache, ki.block_tables, ki.context_lens, scale, sliding_window, softcap)
+    else:
+        o = ki.kernels.varlen(q, k_cache, v_cache, ki.cu_seqlens_q, ki.block_tables, ki.context_lens, scale,
+                              sliding_window, softcap)
+    if num_real == num_tokens:
+        return o.unsqueeze(0)
+    out = query.new_zeros(1, num_tokens, num_heads, head_dim)
+    out[0, :num_real] = o
+    return out
 
 
 def register() -> None:

@@ -19,13 +19,15 @@ from cbserve.config import (
     MIN_AUTO_BATCH_TOKENS,
     ContinuousBatchingConfig,
 )
-from cbserve.kernels import paged_attention
+from cbserve.kernels import backends, paged_attention
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
 from cbserve.workers import compilation
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
+from cbserve.workers.cuda_graphs import DecodeGraphs, cuda_graph_factory
+from cbserve.workers.fused_projections import FusedProjections
 from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
@@ -89,6 +91,7 @@ class EngineCore:
         config: ContinuousBatchingConfig | None = None,
         max_total_tokens_hint: int | None = None,
         num_requests_hint: int | None = None,
+        max_request_tokens_hint: int | None = None,
     ) -> None:
         self.model = model
         self.config = config or ContinuousBatchingConfig()
@@ -121,6 +124,8 @@ class EngineCore:
             self.block_manager, self.max_batch_tokens, max_requests, cfg.scheduler,
             cfg.resolved_safety_margin, self.offload_pool,
         )
+        self.attention_backend = backends.select(cfg.attention_backend, self.device, page_size,
+                                                 cfg.auto_switch_to_flash)
         paged_attention.register()
         self._previous_attn = model.config._attn_implementation
         model.set_attn_implementation(paged_attention.ATTENTION_NAME)
@@ -129,7 +134,12 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.varlen_compile_config),
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
-        ))
+        ), backends.kernels(self.attention_backend), self._fast_path_width(max_request_tokens_hint))
+        self.runner.graphs = self._decode_graphs(max_requests)
+        # Compiled layers are left to the compiler; eager ones get q/k/v and gate/up as one GEMM.
+        self.fused = None if self.runner.forward.enabled else FusedProjections(model)
+        if cfg.use_async_batching:
+            logger.warning("use_async_batching is not implemented yet: steps prepare their inputs synchronously")
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -159,6 +169,40 @@ class EngineCore:
             max_total_tokens_hint = max_requests * min(s.max_context, 1 << 16)
         return min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
 
+    def _fast_path_width(self, max_request_tokens_hint: int | None) -> int:
+        """Block-table width of the decode fast path (`max_blocks_per_request`); 0 = off."""
+        width = self.config.max_blocks_per_request
+        if width is None:
+            width = -(-max_request_tokens_hint // self.cache.page_size) if max_request_tokens_hint else 32
+        if width and self.shape.has_sliding_layers:
+            logger.info("decode fast path off: the model has sliding-window layers")
+            return 0
+        return width
+
+    def _decode_graphs(self, max_requests: int) -> DecodeGraphs | None:
+        """Decode CUDA graphs when `use_cuda_graph` asks for them (None: on CUDA when possible)."""
+        cfg, runner = self.config, self.runner
+        wanted = cfg.use_cuda_graph
+        varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+        possible = runner.kernels is not None and runner.max_blocks_per_request > 0
+        if decode is None:
+            decode = self.device.type == "cuda" and possible
+        if varlen:
+            logger.warning("CUDA graphs of varlen (prefill) batches are not implemented: only decode steps are captured")
+        if not decode:
+            return None
+        if runner.kernels is None:
+            raise ValueError("use_cuda_graph needs a kernel attention backend (triton or flash), "
+                             f"got {self.attention_backend!r}")
+        if runner.max_blocks_per_request == 0:
+            raise ValueError("use_cuda_graph needs the decode fast path: max_blocks_per_request must be > 0 "
+                             "(it is forced to 0 for sliding-window models)")
+        logger.info("decode CUDA graphs on: up to %d requests, block tables of %d pages", max_requests,
+                    runner.max_blocks_per_request)
+        return DecodeGraphs(lambda kwargs: runner.forward(kwargs, decode_only=True), max_requests,
+                            runner.max_blocks_per_request, cfg.q_padding_interval_size, self.device,
+                            cuda_graph_factory(self.device))
+
     def _make_offload_pool(self) -> HostOffloadPool | None:
         cfg = self.config
         if cfg.cpu_offload_space == 0:
@@ -176,6 +220,8 @@ class EngineCore:
     def release_model(self) -> None:
         """Give the model back its own attention implementation and eager layers."""
         self.runner.forward.restore()
+        if self.fused is not None:
+            self.fused.restore()
         self.model.set_attn_implementation(self._previous_attn)
 
     # -- requests ----------------------------------------------------------------------------
@@ -199,14 +245,20 @@ class EngineCore:
         if not isinstance(input_ids, (list, tuple)) or len(input_ids) == 0:
             raise ValueError("input_ids must be a non-empty list of token ids")
         vocab = self.shape.vocab_size
-        for t in input_ids:
+        for i, t in enumerate(input_ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"input_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+                raise ValueError(f"input_ids[{i}]: token id {t!r} is not an integer in the vocabulary [0, {vocab})")
         gc = self.generation_config
         if max_new_tokens is None:
             max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+            raise ValueError(f"max_new_tokens must be a positive integer (>= 1), got {max_new_tokens!r}")
+        if eos_token_id is not None:
+            ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+            if (isinstance(eos_token_id, bool) or not isinstance(ids, (list, tuple, set, frozenset))
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+                raise ValueError(f"eos_token_id must be a token id (integer >= 0) or a list of them, "
+                                 f"got {eos_token_id!r}")
         total = len(input_ids) + max_new_tokens
         if total > self.shape.max_context:
             raise ValueError(

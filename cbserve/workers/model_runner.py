@@ -4,81 +4,108 @@ from __future__ import annotations
 
 import torch
 
-from cbserve.kernels.paged_attention import AttentionMetadata, PrefillChunk
+from cbserve.kernels.backends import KernelBackend
+from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
 from cbserve.scheduler.scheduler import ScheduledRequest
+from cbserve.workers.block_table import BlockTables
 from cbserve.workers.compilation import CompiledForward
+from cbserve.workers.cuda_graphs import DecodeGraphs
 from cbserve.workers.kv_cache import PagedKVCache
 
 
+def is_decode(s: ScheduledRequest) -> bool:
+    return s.num_query_tokens == 1 and s.sample and s.request.num_computed > 0
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache,
-                 forward: CompiledForward | None = None) -> None:
+    """`prepare()` builds the packed inputs; `run()` calls the (compiled) model.
+
+    `max_blocks_per_request` > 0 enables the decode fast path: a decode-only batch whose
+    requests all fit in that many pages gets a block table of exactly that width (a static
+    shape that CUDA graphs can capture) and goes to the backend's paged decode kernel.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, forward: CompiledForward | None = None,
+                 kernels: KernelBackend | None = None, max_blocks_per_request: int = 0) -> None:
         self.model = model
         self.forward = forward or CompiledForward(model, None, None)
         self.cache = cache
         self.page_size = cache.page_size
         self.device = cache.device
+        self.kernels = kernels
+        self.max_blocks_per_request = max_blocks_per_request
+        self.tables = BlockTables(max_blocks_per_request or 32)
+        self.graphs: DecodeGraphs | None = None  # set by the engine when CUDA graphs are on
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Slots of positions [start, end) of a request with block ids `table`."""
+        """Slots of positions [start, end) of a request whose block ids are `table`."""
         positions = torch.arange(start, end)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[dict, list[ScheduledRequest]]:
         """Packed inputs with decode rows first; returns the forward kwargs and the requests
-        whose last logits are sampled, in the order of the logits rows."""
-        def is_decode(s: ScheduledRequest) -> bool:
-            return s.num_query_tokens == 1 and s.sample and s.request.num_computed > 0
+        whose last logits are sampled, in the order of the logits rows.
 
+        Host work is O(batch + new tokens): block tables come from `BlockTables` rows that only
+        grow by the pages allocated since the last step.
+        """
         decodes = [s for s in batch if is_decode(s)]
         prefills = [s for s in batch if not is_decode(s)]
-        input_ids: list[int] = []
+        ordered = decodes + prefills
+        context_lens = [s.request.num_computed + s.num_query_tokens for s in ordered]
+        width = -(-max(context_lens) // self.page_size)
+        fast = bool(decodes) and not prefills and 0 < width <= self.max_blocks_per_request
+        if fast:
+            width = self.max_blocks_per_request
+        table = self.tables.table([s.request for s in ordered], width)
+        lens = torch.tensor(context_lens)
+
+        input_ids: list[int] = [s.request.tokens[s.request.num_computed] for s in decodes]
         positions: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-
-        decode_table = decode_lens = None
-        if decodes:
-            lens = [s.request.num_computed + 1 for s in decodes]
-            max_pages = -(-max(lens) // self.page_size)
-            decode_table = torch.zeros(len(decodes), max_pages, dtype=torch.int64)
-            for i, s in enumerate(decodes):
-                ids = s.request.block_ids[:max_pages]
-                decode_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-                input_ids.append(s.request.tokens[s.request.num_computed])
-            decode_lens = torch.tensor(lens)
-            last = decode_lens - 1
+        sample_rows: list[int] = list(range(len(decodes)))
+        sampled: list[ScheduledRequest] = list(decodes)
+        nd = len(decodes)
+        if nd:
+            last = lens[:nd] - 1
             positions.append(last)
-            last_pages = decode_table.gather(1, (last // self.page_size)[:, None]).squeeze(1)
+            last_pages = table[:nd].gather(1, (last // self.page_size)[:, None]).squeeze(1)
             slot_parts.append(last_pages * self.page_size + last % self.page_size)
-            sample_rows.extend(range(len(decodes)))
-            sampled.extend(decodes)
 
         chunks: list[PrefillChunk] = []
-        row = len(decodes)
-        for s in prefills:
+        row = nd
+        for i, s in enumerate(prefills, start=nd):
             req, n = s.request, s.num_query_tokens
             start = req.num_computed
             input_ids.extend(req.tokens[start : start + n])
             positions.append(torch.arange(start, start + n))
-            table = torch.tensor([req.block_ids], dtype=torch.int64)
-            slot_parts.append(self._slots(table[0], start, start + n))
-            chunks.append(PrefillChunk(row, row + n, start, table, self.page_size))
+            slot_parts.append(self._slots(table[i], start, start + n))
+            chunks.append(PrefillChunk(row, row + n, start, table[i : i + 1], self.page_size))
             row += n
             if s.sample:
                 sample_rows.append(row - 1)
                 sampled.append(s)
 
+        kernel_inputs = None
+        if self.kernels is not None:
+            q_lens = torch.tensor([s.num_query_tokens for s in ordered])
+            cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
+            torch.cumsum(q_lens, 0, out=cu_seqlens_q[1:])
+            kernel_inputs = KernelInputs(
+                self.kernels, table.to(self.device), lens.to(torch.int32).to(self.device),
+                cu_seqlens_q.to(self.device), decode_only=not prefills,
+            )
         meta = AttentionMetadata(
             k_caches=self.cache.k,
             v_caches=self.cache.v,
             slot_mapping=torch.cat(slot_parts).to(self.device),
             page_size=self.page_size,
-            num_decodes=len(decodes),
-            decode_block_table=decode_table,
-            decode_context_lens=decode_lens,
+            num_decodes=nd,
+            decode_block_table=table[:nd] if nd else None,
+            decode_context_lens=lens[:nd] if nd else None,
             prefills=chunks,
+            kernel_inputs=kernel_inputs,
+            fast_decode=fast,
         )
         kwargs = {
             "input_ids": torch.tensor([input_ids], device=self.device),
@@ -92,4 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
-        return self.forward(kwargs, decode_only=not kwargs["cb_meta"].prefills).float()
+        meta = kwargs["cb_meta"]
+        if self.graphs is not None and self.graphs.accepts(meta):
+            return self.graphs.run(kwargs).float()
+        return self.forward(kwargs, decode_only=not meta.prefills).float()

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 # Joining the group waits for every rank to import torch and transformers: on a loaded machine
 # that takes far longer than a collective may, so start-up has its own bound.
 STARTUP_TIMEOUT_S = 600.0
+REPORT_GRACE_S = 1.0  # how long a failure report waits for a dying rank's exit status
 READY_KEY = "cbserve_tp/ready/{}"
 PRELOAD = ["torch", "torch.distributed", "transformers", "cbserve.workers.tp_worker"]
 
@@ -217,7 +218,11 @@ class LocalRanks:
     def report(self) -> str:
         """What became of each rank's process, for error messages."""
         states = []
+        # A peer whose socket just reset is usually exiting: give it a moment to be reaped, so
+        # the message names its fate (killed by a signal, exit code) rather than "alive".
+        deadline = time.monotonic() + REPORT_GRACE_S
         for rank, proc in enumerate(self.procs, start=1):
+            proc.join(max(0.0, deadline - time.monotonic()))
             code = proc.exitcode
             if code is None:
                 states.append(f"rank {rank} (pid {proc.pid}) alive")

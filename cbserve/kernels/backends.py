@@ -1,0 +1,120 @@
+"""Which attention kernels the engine calls, chosen once at construction.
+
+- ``sdpa``: PyTorch only (`paged_attention.py`): K/V rows gathered per step, then
+  `scaled_dot_product_attention`. The default without CUDA, and fast on CPUs.
+- ``triton``: the Triton kernels (`triton_attention.py`) read the pages through block tables;
+  no gather, no host synchronisation, so decode steps can be captured in CUDA graphs. The
+  default on CUDA. On a CPU it runs only under Triton's interpreter (tests).
+- ``flash``: flash-attn 2 (`flash_attn_adapter.py`) for attention, Triton for storing K/V.
+  Chosen on CUDA when flash-attn is importable and `auto_switch_to_flash` is on; it needs page
+  sizes that are multiples of 256.
+- ``reference``: the plain-PyTorch reference kernels, one request at a time: slow, for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sdpa", "triton", "flash", "reference")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """Kernels over block tables; see `reference.py` for their shared signatures."""
+
+    name: str
+    store_kv: Callable[..., None]
+    decode: Callable[..., torch.Tensor]  # q [B, H, D] -> [B, H, D]
+    varlen: Callable[..., torch.Tensor]  # packed q [T, H, D] -> [T, H, D]
+
+
+def _triton_problem(device: torch.device) -> str:
+    from cbserve.kernels import triton_attention as tri
+
+    if not tri.TRITON_AVAILABLE:
+        return f"triton is not importable ({tri._IMPORT_ERROR})"
+    if device.type == "cpu" and not tri._INTERPRETED:
+        return "the model is on the CPU, where Triton kernels run only under TRITON_INTERPRET=1 (tests)"
+    if device.type not in ("cpu", "cuda"):
+        return f"Triton kernels do not run on {device.type} devices"
+    return ""
+
+
+def _flash_problem(device: torch.device, page_size: int) -> str:
+    from cbserve.kernels import flash_attn_adapter as fa
+
+    if device.type != "cuda":
+        return f"flash-attn runs only on CUDA devices, the model is on {device.type}"
+    reason = fa.flash_unavailable_reason()
+    if reason:
+        return reason
+    if page_size % fa.FLASH_PAGE_SIZE_MULTIPLE:
+        return f"flash-attn's paged KV needs page_size to be a multiple of {fa.FLASH_PAGE_SIZE_MULTIPLE}, got {page_size}"
+    return _triton_problem(device)  # K/V are stored by the Triton kernel
+
+
+def select(requested: str, device: torch.device, page_size: int, auto_switch_to_flash: bool) -> str:
+    """The backend to use; an explicit choice that cannot run raises ValueError saying why.
+
+    `$CBSERVE_ATTENTION_BACKEND` overrides `requested` (like vLLM's VLLM_ATTENTION_BACKEND).
+    """
+    requested = os.environ.get("CBSERVE_ATTENTION_BACKEND") or requested
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {requested!r}")
+    problems = {
+        "sdpa": lambda: "",
+        "reference": lambda: "",
+        "triton": lambda: _triton_problem(device),
+        "flash": lambda: _flash_problem(device, page_size),
+    }
+    if requested != "auto":
+        problem = problems[requested]()
+        if problem:
+            raise ValueError(f"attention_backend={requested!r} cannot run here: {problem}")
+        logger.info("attention backend: %s (requested)", requested)
+        return requested
+    if device.type != "cuda":
+        logger.info("attention backend: sdpa (no CUDA device: the Triton and flash-attn kernels are GPU-only)")
+        return "sdpa"
+    flash_problem = problems["flash"]() if auto_switch_to_flash else "auto_switch_to_flash is off"
+    if not flash_problem:
+        logger.info("attention backend: flash (flash-attn %s)", _flash_version())
+        return "flash"
+    triton_problem = problems["triton"]()
+    if not triton_problem:
+        logger.info("attention backend: triton (flash-attn not used: %s)", flash_problem)
+        return "triton"
+    logger.warning("attention backend: sdpa (flash-attn: %s; triton: %s)", flash_problem, triton_problem)
+    return "sdpa"
+
+
+def _flash_version() -> str:
+    import flash_attn
+
+    return getattr(flash_attn, "__version__", "?")
+
+
+def kernels(name: str) -> KernelBackend | None:
+    """The kernel functions of a backend; None for `sdpa`, which gathers and calls SDPA itself."""
+    if name == "sdpa":
+        return None
+    if name == "reference":
+        from cbserve.kernels import reference as ref
+
+        return KernelBackend(name, ref.store_kv, ref.paged_decode_attention, ref.varlen_paged_attention)
+    from cbserve.kernels import triton_attention as tri
+
+    if name == "triton":
+        return KernelBackend(name, tri.store_kv, tri.paged_decode_attention, tri.varlen_paged_attention)
+    if name == "flash":
+        from cbserve.kernels import flash_attn_adapter as fa
+
+        return KernelBackend(name, tri.store_kv, fa.flash_decode_with_kvcache, fa.flash_varlen_paged)
+    raise ValueError(f"unknown attention backend {name!r}")

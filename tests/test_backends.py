@@ -1,0 +1,260 @@
+"""The engine on each attention backend, the decode fast path and decode CUDA graphs' buffer logic.
+
+Kernel backends read the pages through block tables instead of gathering rows; on this CPU the
+Triton kernels run under Triton's interpreter (slow: small cases only), and CUDA graphs are
+replaced by a stand-in that re-runs the captured function on the same static buffers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_attention defines its kernels
+
+import cbserve
+from cbserve.kernels import backends
+from cbserve.kernels import triton_attention as tri
+from cbserve.workers import cuda_graphs
+from cbserve.workers.block_table import BlockTables
+from cbserve.workers.engine import EngineCore
+from tests.tiny_models import random_prompts, reference_generate, tiny_model
+
+if tri.TRITON_AVAILABLE and not tri._INTERPRETED and not torch.cuda.is_available():
+    tri = importlib.reload(tri)  # imported earlier without TRITON_INTERPRET: redefine the kernels
+
+LENGTHS = [1, 9, 40, 70]
+MAX_NEW = 6
+
+
+def reference(model, prompts, max_new=MAX_NEW):
+    return [reference_generate(model, p, max_new) for p in prompts]
+
+
+def run(model, prompts, max_new=MAX_NEW, graphs=None, **config):
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=120, max_batch_tokens=64,
+                                           return_logprobs=True, **config)
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+    engine = EngineCore(model, gc, cfg)
+    if graphs is not None:
+        engine.runner.graphs = graphs(engine)
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    return requests, engine
+
+
+def assert_same(requests, refs, tol=1e-6):
+    for r, (tokens, logprobs) in zip(requests, refs):
+        assert r.generated == tokens, r.request_id
+        assert r.logprobs == pytest.approx(logprobs, abs=tol), r.request_id
+
+
+# -- selection ---------------------------------------------------------------------------------
+
+
+def test_auto_is_sdpa_on_cpu_and_explicit_choices_say_why_they_cannot_run(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    assert backends.select("auto", cpu, 16, True) == "sdpa"
+    with pytest.raises(ValueError, match="flash-attn runs only on CUDA"):
+        backends.select("flash", cpu, 256, True)
+    monkeypatch.setattr(tri, "_INTERPRETED", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backends.select("triton", cpu, 16, True)
+    monkeypatch.setenv("CBSERVE_ATTENTION_BACKEND", "reference")
+    assert backends.select("auto", cpu, 16, True) == "reference"
+    monkeypatch.setenv("CBSERVE_ATTENTION_BACKEND", "fast")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        backends.select("auto", cpu, 16, True)
+    with pytest.raises(ValueError, match="attention_backend"):
+        cbserve.ContinuousBatchingConfig(attention_backend="fast")
+
+
+def test_auto_on_cuda_prefers_flash_then_triton(monkeypatch) -> None:
+    """The decision logic, with the device checks stubbed (no GPU here)."""
+    from cbserve.kernels import flash_attn_adapter as fa
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backends, "_triton_problem", lambda device: "")
+    monkeypatch.setattr(backends, "_flash_version", lambda: "test")
+    monkeypatch.setattr(fa, "flash_unavailable_reason", lambda: "")
+    assert backends.select("auto", cuda, 256, True) == "flash"
+    assert backends.select("auto", cuda, 16, True) == "triton"  # flash needs pages of 256
+    assert backends.select("auto", cuda, 256, False) == "triton"  # auto_switch_to_flash off
+    with pytest.raises(ValueError, match="multiple of 256"):
+        backends.select("flash", cuda, 16, True)
+    monkeypatch.setattr(fa, "flash_unavailable_reason", lambda: "flash_attn is not importable")
+    monkeypatch.setattr(backends, "_triton_problem", lambda device: "triton is not importable")
+    assert backends.select("auto", cuda, 256, True) == "sdpa"
+
+
+# -- exactness per backend ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("fast_path", [0, 8])
+def test_reference_backend_equals_generate(arch: str, fast_path: int) -> None:
+    model = tiny_model(arch)
+    prompts = random_prompts(LENGTHS)
+    requests, engine = run(model, prompts, attention_backend="reference", max_blocks_per_request=fast_path)
+    assert engine.attention_backend == "reference"
+    assert_same(requests, reference(model, prompts))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_reference_backend_with_sliding_windows_and_softcap(arch: str) -> None:
+    model = tiny_model(arch, sliding_window=8)
+    prompts = random_prompts([3, 30, 50])
+    requests, engine = run(model, prompts, attention_backend="reference")
+    assert engine.runner.max_blocks_per_request == 0  # the fast path is off for sliding windows
+    assert_same(requests, reference(model, prompts))
+
+
+@pytest.mark.skipif(not tri.TRITON_AVAILABLE, reason="triton is not importable")
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gemma2", torch.float64)])
+def test_triton_backend_equals_generate(arch: str, dtype: torch.dtype) -> None:
+    overrides = {"sliding_window": 8} if arch == "gemma2" else {}
+    model = tiny_model(arch, dtype=dtype, **overrides)
+    prompts = random_prompts([1, 20, 37])
+    requests, engine = run(model, prompts, max_new=4, attention_backend="triton")
+    assert engine.attention_backend == "triton"
+    assert_same(requests, reference(model, prompts, 4), tol=1e-4 if dtype == torch.float32 else 1e-6)
+
+
+def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
+    """Decode-only steps go to the decode kernel with a table exactly max_blocks_per_request wide;
+    mixed steps go to the varlen kernel. And a kernel that forgets the cached prefix is caught."""
+    from cbserve.kernels import reference as ref
+
+    calls: list[tuple[str, int]] = []
+
+    def decode(q, k_cache, v_cache, block_tables, *args):
+        calls.append(("decode", block_tables.shape[1]))
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, *args)
+
+    def varlen(q, k_cache, v_cache, cu, block_tables, *args):
+        calls.append(("varlen", block_tables.shape[1]))
+        return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, *args)
+
+    monkeypatch.setattr(backends, "kernels",
+                        lambda name: backends.KernelBackend(name, ref.store_kv, decode, varlen))
+    model = tiny_model("llama")
+    prompts = random_prompts(LENGTHS)
+    requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
+    assert_same(requests, reference(model, prompts))
+    assert {c for c in calls if c[0] == "decode"} == {("decode", 7)}
+    assert any(c[0] == "varlen" for c in calls)
+
+    def forgetful(q, k_cache, v_cache, block_tables, context_lens, *args):
+        return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.ones_like(context_lens), *args)
+
+    monkeypatch.setattr(backends, "kernels",
+                        lambda name: backends.KernelBackend(name, ref.store_kv, forgetful, varlen))
+    requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
+    with pytest.raises(AssertionError):
+        assert_same(requests, reference(model, prompts))
+
+
+# -- block tables ------------------------------------------------------------------------------
+
+
+def test_block_table_rows_grow_by_appends_and_rebuild_when_pages_are_replaced() -> None:
+    from cbserve.scheduler.request import Request
+
+    tables = BlockTables(min_width=2)
+    req = Request("r", [1, 2, 3], 4, frozenset())
+    req.block_ids = [5, 9]
+    first = tables.row(req, 2)
+    assert first.tolist() == [5, 9]
+    req.block_ids.extend([4, 7, 1])  # appends: the row's storage grows, old entries are kept
+    assert tables.table([req], 6).tolist() == [[5, 9, 4, 7, 1, 0]]
+    req.block_ids = [3]  # freed and reallocated (preemption): a new list rebuilds the row
+    assert tables.row(req, 2).tolist() == [3, 0]
+
+
+# -- decode CUDA graphs (buffer and padding logic, on the CPU) ---------------------------------
+
+
+@pytest.mark.parametrize("interval", [0, 3])
+def test_decode_graphs_replay_static_buffers_exactly(interval: int) -> None:
+    model = tiny_model("qwen3")
+    prompts = random_prompts([2, 5, 17, 33, 40])
+    captured: list[int] = []
+
+    def graphs(engine):
+        def factory(fn):
+            captured.append(1)
+            return cuda_graphs.eager_graph_factory(fn)
+
+        return cuda_graphs.DecodeGraphs(lambda kw: engine.runner.forward(kw, decode_only=True), 8,
+                                        engine.runner.max_blocks_per_request, interval, engine.device, factory)
+
+    requests, engine = run(model, prompts, max_new=10, graphs=graphs, attention_backend="reference",
+                           max_blocks_per_request=4)
+    assert_same(requests, reference(model, prompts, 10))
+    sizes = set(engine.runner.graphs._graphs)
+    assert sizes, "no decode step went through the graphs"
+    allowed = {3, 6, 8} if interval else {1, 2, 4, 8}  # buckets, capped at 8 requests
+    assert sizes <= allowed
+    assert len(captured) == len(sizes)  # each bucket captured once, then replayed
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)")
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_cuda_backends_with_real_graphs_equal_generate(backend: str) -> None:
+    from cbserve.kernels import flash_attn_adapter as fa
+
+    if backend == "flash" and fa.flash_unavailable_reason():
+        pytest.skip(fa.flash_unavailable_reason())
+    model = tiny_model("qwen3", dtype=torch.float32).cuda()
+    prompts = random_prompts([1, 9, 40, 70, 120])
+    cfg = cbserve.ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=256, return_logprobs=True,
+                                           attention_backend=backend, use_cuda_graph=(False, True),
+                                           max_blocks_per_request=2)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    engine = EngineCore(model, gc, cfg)
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+        assert engine.runner.graphs is not None and engine.runner.graphs._graphs
+    finally:
+        engine.release_model()
+    assert_same(requests, reference(model, prompts, 8), tol=1e-3)
+
+
+# -- fused projections -------------------------------------------------------------------------
+
+
+def test_fused_projections_share_weights_match_and_restore() -> None:
+    from cbserve.workers.fused_projections import FusedProjections
+
+    model = tiny_model("qwen2")  # q/k/v with biases
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(1, 5, 64, dtype=torch.float64)
+    before = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
+    fused = FusedProjections(model)
+    assert len(fused.groups) == 2 * len(model.model.layers)
+    group = fused.groups[0]
+    assert attn.k_proj.weight.data_ptr() == group.weight[group.bounds[1][0]:].data_ptr()  # a view, no copy
+    after = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    other = x + 1  # another input than the one q_proj saw: computed on its own
+    torch.testing.assert_close(attn.v_proj(other), torch.nn.functional.linear(other, attn.v_proj.weight,
+                                                                               attn.v_proj.bias))
+    fused.restore()
+    assert attn.q_proj.forward.__func__ is torch.nn.Linear.forward
