@@ -87,6 +87,18 @@ def _sse(obj: Any) -> str:
     return f"data: {payload}\n\n"
 
 
+def _worker_failure(exc: Exception) -> APIError:
+    """An exception from a choice's event stream (other than an error event) as the client
+    should see it: the worker replica died or became unreachable mid-request (Ray raises
+    `ActorDiedError`, `ActorUnavailableError`, ...). A 503 in OpenAI's shape, never a
+    clean-looking end of the stream."""
+    if isinstance(exc, APIError):
+        return exc
+    logger.warning("a worker failed mid-request: %r", exc)
+    return APIError(503, f"the worker serving this request failed before it finished ({type(exc).__name__}); "
+                         "retry the request")
+
+
 def _end_error(ev: WorkerEvent) -> APIError | None:
     if ev.kind == "error":
         return APIError(ev.status or 500, ev.message, ev.param)
@@ -201,6 +213,12 @@ class OpenAIService:
         return self.metrics.timer(arrival, stream.start.prompt_tokens) if self.metrics else None
 
     async def _collect(self, stream: ChoiceStream, arrival: float) -> ChoiceResult:
+        try:
+            return await self._collect_events(stream, arrival)
+        except Exception as exc:  # APIErrors pass through unchanged
+            raise _worker_failure(exc) from exc
+
+    async def _collect_events(self, stream: ChoiceStream, arrival: float) -> ChoiceResult:
         result, timer = ChoiceResult(), self._timer(arrival, stream)
         async for ev in stream.events:
             error = _end_error(ev)
@@ -216,7 +234,7 @@ class OpenAIService:
                 if timer:
                     timer.on_end(ev.finish_reason or "stop")
                 return result
-        raise APIError(500, "the worker ended the stream without finishing the request")
+        raise APIError(503, "the worker ended the stream before finishing the request; retry it")
 
     async def _collect_all(self, streams: list[ChoiceStream], arrival: float) -> list[ChoiceResult]:
         tasks = [asyncio.ensure_future(self._collect(s, arrival)) for s in streams]
@@ -265,6 +283,7 @@ class OpenAIService:
     ) -> AsyncIterator[tuple[int, WorkerEvent]]:
         """Merged events with metrics and error handling; cancels every choice on exit."""
         timers = [self._timer(arrival, s) for s in streams]
+        ended: set[int] = set()
         try:
             async for i, ev in self._merged(streams):
                 error = _end_error(ev)
@@ -273,9 +292,13 @@ class OpenAIService:
                 timer = timers[i]
                 if timer and ev.kind == "delta":
                     timer.on_tokens(len(ev.token_ids))
-                if timer and ev.kind == "end":
-                    timer.on_end(ev.finish_reason or "stop")
+                if ev.kind == "end":
+                    ended.add(i)
+                    if timer:
+                        timer.on_end(ev.finish_reason or "stop")
                 yield i, ev
+            if len(ended) < len(streams):  # a choice's stream stopped without its `end`
+                raise APIError(503, "the worker ended the stream before finishing the request; retry it")
         finally:
             for s in streams:
                 s.cancel()
@@ -325,8 +348,8 @@ class OpenAIService:
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                   total_tokens=prompt_tokens + completion_tokens)
                 yield _sse(CompletionChunk(id=rid, created=created, model=self.model_name, choices=[], usage=usage))
-        except APIError as exc:
-            yield _sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the client gets an error event, then [DONE]
+            yield _sse(_worker_failure(exc).body())
         yield "data: [DONE]\n\n"
 
     # -- chat -----------------------------------------------------------------------------------
@@ -377,8 +400,8 @@ class OpenAIService:
                                   total_tokens=prompt_tokens + completion_tokens)
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[],
                                                usage=usage))
-        except APIError as exc:
-            yield _sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the client gets an error event, then [DONE]
+            yield _sse(_worker_failure(exc).body())
         yield "data: [DONE]\n\n"
 
 

@@ -49,6 +49,13 @@ def load_on_device(model_name: str | None, dtype_name: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+RANK_NAMESPACE = "cbserve"  # a fixed namespace for the named rank actors, so they can be looked up
+
+
+def rank_actor_name(replica: str, rank: int) -> str:
+    return f"{replica}-tp-rank{rank}"
+
+
 @ray.remote(max_concurrency=2)  # `follow` blocks one thread; `ping` answers on the other
 class TPRank:
     def __init__(self, model_name: str | None, dtype_name: str, rank: int):
@@ -72,7 +79,7 @@ class RankGroup:
     """Starts ranks 1..N-1 in the current placement group; `join` makes this process rank 0."""
 
     def __init__(self, model_name: str | None, dtype_name: str, world: int, engine: dict[str, Any],
-                 num_cpus: float, num_gpus: float):
+                 num_cpus: float, num_gpus: float, name: str | None = None):
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -83,8 +90,12 @@ class RankGroup:
         with socket.socket() as s:
             s.bind((address, 0))
             port = s.getsockname()[1]
+        # Named after their replica (`<name>-tp-rank<r>`, namespace `cbserve`) so that `ray list
+        # actors` shows whose ranks they are, and an operator (or a test) can find one.
         self.actors = [
             TPRank.options(
+                name=None if name is None else rank_actor_name(name, rank),
+                namespace=None if name is None else RANK_NAMESPACE,
                 num_cpus=num_cpus, num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=rank),

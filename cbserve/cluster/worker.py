@@ -68,7 +68,8 @@ class LLMWorker:
         engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
         if tp > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
-            self.ranks = RankGroup(self.args.model, self.args.dtype, tp, engine, w.num_cpus, w.num_gpus)
+            self.ranks = RankGroup(self.args.model, self.args.dtype, tp, engine, w.num_cpus, w.num_gpus,
+                                   name=None if self.replica == "local" else f"cbserve-{self.replica}")
         model, self.tokenizer = load_on_device(self.args.model, self.args.dtype)
         if self.ranks is not None:
             self.ranks.join()
@@ -105,7 +106,18 @@ class LLMWorker:
         return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s)}
 
     def check_health(self) -> None:
-        self.manager.stats()  # raises if the engine is broken
+        """Serve replaces the replica when this raises: its engine is broken, its batching loop
+        died, or its tensor-parallel group failed (a rank died or hung: the engine then refuses
+        every request, so the replica must go)."""
+        manager = self.manager
+        if manager is None:
+            raise RuntimeError("the worker's manager is stopped")
+        manager.stats()  # raises if the engine is broken
+        if not manager.is_running():
+            raise RuntimeError(f"the batching loop is not running ({manager.error!r})")
+        failed = getattr(getattr(manager.engine, "groups", None), "failed", None)
+        if failed is not None:
+            raise RuntimeError(f"unhealthy: {failed}")
 
     def __del__(self) -> None:
         manager = getattr(self, "manager", None)
