@@ -142,12 +142,14 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
         calls.append(("decode", block_tables.shape[1]))
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, *args)
 
-    def varlen(q, k_cache, v_cache, cu, block_tables, *args):
+    def varlen(q, k_cache, v_cache, cu, block_tables, context_lens, *args, max_seqlen_q, max_seqlen_k):
         calls.append(("varlen", block_tables.shape[1]))
-        return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, *args)
+        # Host ints given to flash-attn so that it need not synchronise to find them.
+        assert max_seqlen_q == int((cu[1:] - cu[:-1]).max()) and max_seqlen_k == int(context_lens.max())
+        return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, *args)
 
-    monkeypatch.setattr(backends, "kernels",
-                        lambda name: backends.KernelBackend(name, ref.store_kv, decode, varlen))
+    monkeypatch.setattr(backends, "kernels", lambda name: backends.KernelBackend(
+        name, ref.store_kv, decode, varlen, varlen_takes_max_seqlen=True))
     model = tiny_model("llama")
     prompts = random_prompts(LENGTHS)
     requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
@@ -158,8 +160,8 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
     def forgetful(q, k_cache, v_cache, block_tables, context_lens, *args):
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.ones_like(context_lens), *args)
 
-    monkeypatch.setattr(backends, "kernels",
-                        lambda name: backends.KernelBackend(name, ref.store_kv, forgetful, varlen))
+    monkeypatch.setattr(backends, "kernels", lambda name: backends.KernelBackend(
+        name, ref.store_kv, forgetful, varlen, varlen_takes_max_seqlen=True))
     requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
     with pytest.raises(AssertionError):
         assert_same(requests, reference(model, prompts))

@@ -33,6 +33,8 @@ class KernelBackend:
     store_kv: Callable[..., None]
     decode: Callable[..., torch.Tensor]  # q [B, H, D] -> [B, H, D]
     varlen: Callable[..., torch.Tensor]  # packed q [T, H, D] -> [T, H, D]
+    # flash-attn wants the longest query and context as host ints (else it syncs to find them).
+    varlen_takes_max_seqlen: bool = False
 
 
 def _triton_problem(device: torch.device) -> str:
@@ -116,5 +118,6 @@ def kernels(name: str) -> KernelBackend | None:
     if name == "flash":
         from cbserve.kernels import flash_attn_adapter as fa
 
-        return KernelBackend(name, tri.store_kv, fa.flash_decode_with_kvcache, fa.flash_varlen_paged)
+        return KernelBackend(name, tri.store_kv, fa.flash_decode_with_kvcache, fa.flash_varlen_paged,
+                             varlen_takes_max_seqlen=True)
     raise ValueError(f"unknown attention backend {name!r}")

@@ -90,6 +90,8 @@ class KernelInputs:
     context_lens: torch.Tensor  # [num_requests] int32: cached + this step's tokens
     cu_seqlens_q: torch.Tensor  # [num_requests + 1] int32
     decode_only: bool
+    max_seqlen_q: int = 0  # host copies of the longest query / context, for flash-attn
+    max_seqlen_k: int = 0
 
 
 @dataclass
@@ -243,8 +245,10 @@ def _kernel_attention(
     if ki.decode_only:
         o = ki.kernels.decode(q, k_cache, v_cache, ki.block_tables, ki.context_lens, scale, sliding_window, softcap)
     else:
+        extra = {"max_seqlen_q": ki.max_seqlen_q, "max_seqlen_k": ki.max_seqlen_k} \
+            if ki.kernels.varlen_takes_max_seqlen else {}
         o = ki.kernels.varlen(q, k_cache, v_cache, ki.cu_seqlens_q, ki.block_tables, ki.context_lens, scale,
-                              sliding_window, softcap)
+                              sliding_window, softcap, **extra)
     if num_real == num_tokens:
         return o.unsqueeze(0)
     out = query.new_zeros(1, num_tokens, num_heads, head_dim)

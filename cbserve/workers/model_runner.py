@@ -94,6 +94,7 @@ class ModelRunner:
             kernel_inputs = KernelInputs(
                 self.kernels, table.to(self.device), lens.to(torch.int32).to(self.device),
                 cu_seqlens_q.to(self.device), decode_only=not prefills,
+                max_seqlen_q=max(s.num_query_tokens for s in ordered), max_seqlen_k=max(context_lens),
             )
         meta = AttentionMetadata(
             k_caches=self.cache.k,
