@@ -28,16 +28,25 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# Bounds of what the sampler can hold: top_k goes into an int64 tensor, seed into a
+# torch.Generator (int64 or uint64). Beyond them the request would fail inside a batch step.
+MAX_TOP_K = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Below this a temperature is greedy: dividing float32 logits by it overflows to inf/NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 def validate_sampling(temperature: float | None, top_k: int | None, top_p: float | None,
                       seed: int | None) -> None:
     if temperature is not None and not (_is_number(temperature) and 0 <= temperature < math.inf):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or not 0 <= top_k <= MAX_TOP_K):
+        raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {top_k!r}")
     if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
 
 
 class ContinuousBatchingManager:
@@ -210,7 +219,8 @@ class ContinuousBatchingManager:
         base = self.engine.default_sampling()
         return SamplingParams(
             do_sample=True,
-            temperature=base.temperature if temperature is None else float(temperature),
+            temperature=(base.temperature if temperature is None
+                         else 0.0 if temperature < MIN_SAMPLING_TEMPERATURE else float(temperature)),
             top_k=base.top_k if top_k is None else top_k,
             top_p=base.top_p if top_p is None else float(top_p),
             seed=seed,

@@ -13,7 +13,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from cbserve.cluster.ingress import OpenAIIngress
 from cbserve.cluster.settings import ClusterArgs
@@ -40,6 +40,10 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "name": "LLMWorker",
         "max_ongoing_requests": w.max_ongoing_requests,
+        # Overload: beyond max_ongoing_requests x replicas, each caller queues at most this many;
+        # more get BackPressureError at once (the ingress turns it into a 503/429 with Retry-After).
+        "max_queued_requests": w.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=w.overload_status_code, retry_after_s=w.retry_after_s),
         "graceful_shutdown_wait_loop_s": w.graceful_shutdown_wait_loop_s,
         "graceful_shutdown_timeout_s": w.graceful_shutdown_timeout_s,
         "health_check_period_s": w.health_check_period_s,

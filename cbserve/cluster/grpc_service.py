@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from cbserve.cluster.errors import APIError
 from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
 
+SERVICE = "cbserve.generate.GenerateService"
+
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
@@ -26,6 +28,41 @@ class GrpcAbort(Exception):
     method raises)."""
 
 
+class UndecodableRequest:
+    """Bytes that are not a `GenerateRequest` (corrupt wire format, invalid UTF-8 in a string):
+    `Generate` refuses them with INVALID_ARGUMENT. A deserializer that raised would make grpc
+    answer UNKNOWN instead."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _parse_request(data: bytes) -> Any:
+    from cbserve.cluster.protos import generate_pb2
+
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, whatever the backend
+        return UndecodableRequest(f"{type(exc).__name__}: {exc}")
+
+
+def add_generate_servicer(servicer: Any, server: Any) -> None:
+    """`grpc_options.grpc_servicer_functions` entry: the generated
+    `add_GenerateServiceServicer_to_server`, with a request parser that never raises."""
+    from cbserve.cluster.protos import generate_pb2
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_parse_request,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+
 def abort(grpc_context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
     grpc_context.set_code(code)
     grpc_context.set_details(details)
@@ -38,6 +75,8 @@ def grpc_status(http_status: int) -> grpc.StatusCode:
 
 def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
     """Validate a `GenerateRequest`; raises `APIError` (400/404) naming the field."""
+    if isinstance(msg, UndecodableRequest):
+        raise APIError(400, f"the request is not a valid cbserve.generate.GenerateRequest: {msg.error}")
     service.check_model(msg.model or None)
     which = msg.WhichOneof("input")
     if which is None:

@@ -4,6 +4,11 @@ HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GE
 `GET /metrics`. Every refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 `protos/generate.proto`, reached through Serve's gRPC proxy, which calls the method of the same
 name here.
+
+With an API key, every route but `/health` needs it (`/metrics` too when
+`metrics_require_api_key`), unknown routes included: without the key a client learns nothing
+but 401. Client bytes are only ever parsed as JSON (then pydantic) or protobuf, never unpickled
+or evaluated.
 """
 
 import asyncio
@@ -11,7 +16,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -19,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,7 +32,13 @@ from cbserve.cluster.errors import APIError
 from cbserve.cluster.metrics import ServingMetrics
 from cbserve.cluster.openai_service import ChoiceStream, OpenAIService, Reply
 from cbserve.cluster.protocol import WorkerRequest
-from cbserve.cluster.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cbserve.cluster.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    find_invalid_json_text,
+)
 from cbserve.cluster.settings import ClusterArgs
 
 logger = logging.getLogger(__name__)
@@ -34,7 +46,8 @@ logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-cbserve-replica"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
-app = FastAPI(title="cbserve", docs_url=None, redoc_url=None)
+# No /docs, /redoc or /openapi.json: they would describe the API to anyone, key or not.
+app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -42,16 +55,71 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str | None:
+    """`prompt.list[int].0` -> `prompt.0`: pydantic's union-member tags are not field names."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    return ".".join(parts) or None
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ())) or None
-    return f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param
+    errors = exc.errors()
+    param = _field_path(tuple(errors[0].get("loc", ())))
+    # A union (e.g. `prompt`) fails once per accepted form: say so, rather than quote one form.
+    same = [e for e in errors if _field_path(tuple(e.get("loc", ())))
+            and (_field_path(tuple(e.get("loc", ()))) or "").startswith(param or "\0")]
+    msgs = list(dict.fromkeys(str(e.get("msg")) for e in same)) or [str(errors[0].get("msg"))]
+    text = msgs[0] if len(msgs) == 1 else "matches none of the accepted forms: " + "; ".join(msgs)
+    return (f"{param}: {text}" if param else text)[:1000], param
+
+
+def _backpressure(exc: BaseException) -> BackPressureError | None:
+    """The BackPressureError behind `exc` (raised by the handle, or wrapped by Ray), if any."""
+    for e in (exc, getattr(exc, "cause", None), exc.__cause__):
+        if isinstance(e, BackPressureError):
+            return e
+    return None
+
+
+def _cancel_quietly(gen: Any) -> None:
+    """Cancel a handle call that may have failed: Serve's `cancel()` re-raises the call's own
+    error (e.g. BackPressureError) when the call never reached a replica."""
+    try:
+        gen.cancel()
+    except Exception as exc:  # noqa: BLE001 - nothing to cancel then
+        logger.debug("cancelling a failed worker call: %r", exc)
+
+
+def _declared_routes(router: Any) -> Iterator[Any]:
+    """Every route under `router`: Serve re-mounts the class's routes on an included router, which
+    FastAPI >= 0.137 keeps as one nested node (`original_router`) instead of flattening."""
+    for route in getattr(router, "routes", ()):
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _declared_routes(inner)
+        elif hasattr(route, "path_regex"):
+            yield route
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def _open_error(exc: BaseException) -> APIError:
     """A failure to reach a worker, as the client should see it."""
     if isinstance(exc, APIError):
         return exc
+    full = _backpressure(exc)
+    if full is not None:
+        # Every worker replica has max_ongoing_requests and this ingress's queue for them is
+        # full: refuse now rather than let requests pile up (memory, latency).
+        return APIError(
+            getattr(full, "_status_code", 503),
+            "The server is overloaded (all workers busy and the queue full); retry after a short wait.",
+            code="overloaded", retry_after_s=getattr(full, "_retry_after_s", None),
+        )
     logger.warning("worker call failed: %r", exc)
     return APIError(503, f"no worker could serve the request: {type(exc).__name__}")
 
@@ -89,16 +157,20 @@ class OpenAIIngress:
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
-        gen = self._stream_worker.remote(wreq)
+        try:
+            # .remote() itself raises BackPressureError when the queue for the workers is full.
+            gen = self._stream_worker.remote(wreq)
+        except Exception as exc:
+            raise _open_error(exc) from exc
         try:
             first = await gen.__anext__()
         except asyncio.CancelledError:
-            gen.cancel()
+            _cancel_quietly(gen)
             raise
         except StopAsyncIteration:
             raise APIError(500, "the worker closed the stream before accepting the request") from None
         except Exception as exc:
-            gen.cancel()
+            _cancel_quietly(gen)
             raise _open_error(exc) from exc
         if first.kind == "error":
             raise APIError(first.status or 500, first.message, first.param)
@@ -107,9 +179,11 @@ class OpenAIIngress:
     def _authorized(self, presented: str | None) -> bool:
         if self._api_key is None:
             return True
-        if not presented or not presented.startswith("Bearer "):
+        scheme, _, token = (presented or "").partition(" ")
+        if scheme.lower() != "bearer":
             return False
-        return hmac.compare_digest(presented[len("Bearer "):].strip().encode(), self._api_key.encode())
+        # Constant time: the comparison does not reveal how much of the key matched.
+        return hmac.compare_digest(token.strip().encode(), self._api_key.encode())
 
     def _check_auth(self, request: Request) -> None:
         if not self._authorized(request.headers.get("authorization")):
@@ -128,9 +202,17 @@ class OpenAIIngress:
             if len(body) > limit:
                 raise too_big
         try:
-            return json.loads(body)
+            # NaN / Infinity are not JSON (Python's parser would accept them).
+            data = json.loads(body, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "We could not parse the JSON body of your request: nested too deeply") from None
+        problem = find_invalid_json_text(data)
+        if problem is not None:
+            message, param = problem
+            raise APIError(400, message, param)
+        return data
 
     def _error(self, exc: APIError) -> JSONResponse:
         self.metrics.http_errors.labels(self.metrics.model_name, str(exc.status)).inc()
@@ -182,11 +264,20 @@ class OpenAIIngress:
         try:
             await asyncio.wait_for(self._worker.ping.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            if _backpressure(exc) is not None:
+                # Saturated, not broken: a failing health check would take the server out of a
+                # load balancer exactly when it is busiest.
+                return JSONResponse({"status": "ok", "overloaded": True})
             return APIError(503, f"no worker replica answers: {type(exc).__name__}").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        if self.args.metrics_require_api_key:
+            try:
+                self._check_auth(request)
+            except APIError as exc:
+                return self._error(exc)
         snapshot = None
         if self._board is not None:
             try:
@@ -194,6 +285,24 @@ class OpenAIIngress:
             except Exception as exc:  # noqa: BLE001 - serve the ingress's own metrics anyway
                 logger.warning("could not read worker stats for /metrics: %r", exc)
         return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # Last route: anything no route above matched. Without the key a client gets 401 whatever the
+    # path, so it cannot probe which routes exist; with it, 404 (or 405 for a known path).
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+                   include_in_schema=False)
+    async def unknown_route(self, request: Request, path: str) -> Response:
+        try:
+            self._check_auth(request)
+            # `path` is relative to the app's route prefix, as the routes' own patterns are.
+            known = any(
+                r.path_regex.match(f"/{path}") and request.method not in (r.methods or ())
+                for r in _declared_routes(request.app) if getattr(r, "path", None) != "/{path:path}"
+            )
+            if known:
+                raise APIError(405, f"Method {request.method} is not allowed on /{path}.")
+            raise APIError(404, f"Unknown route /{path}.", code="unknown_url")
+        except APIError as exc:
+            return self._error(exc)
 
     # -- gRPC -----------------------------------------------------------------------------------
 
@@ -209,7 +318,10 @@ class OpenAIIngress:
             wreq = grpc_service.to_worker_request(request, self.service)
             stream = await self._open_choice(wreq)
         except APIError as exc:
-            grpc_service.abort(grpc_context, grpc_service.grpc_status(exc.status), exc.message)
+            code = grpc_service.grpc_status(exc.status)
+            if exc.code == "overloaded":  # as Serve maps backpressure on its own gRPC path
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            grpc_service.abort(grpc_context, code, exc.message)
         timer = self.metrics.timer(arrival, stream.start.prompt_tokens)
         try:
             yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,

@@ -10,11 +10,52 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+# Largest values the engine can hold (torch int64 / a torch.Generator seed); beyond them a request
+# would fail inside a batch step instead of at the door.
+MAX_TOP_K = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 64
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _is_surrogate_free(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def find_invalid_json_text(data: Any) -> tuple[str, str] | None:
+    """(message, field) for the first string of a parsed JSON body that is not valid Unicode (a
+    lone surrogate such as "\\ud800", which JSON's escapes allow), or for nesting deeper than
+    MAX_JSON_DEPTH; None when the body is fine. Iterative, so any depth is safe to walk."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            top = path.split("[")[0].split(".")[0] or "body"  # the top-level field, not 64 levels of it
+            return f"{top}: JSON nested deeper than {MAX_JSON_DEPTH} levels", top
+        if isinstance(value, str):
+            if not _is_surrogate_free(value):
+                where = path or "body"
+                message = f"{where}: the text contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode"
+                return message, where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                sub = f"{path}.{key}" if path else str(key)
+                if not _is_surrogate_free(key):
+                    message = f"{path or 'body'}: a key contains a lone UTF-16 surrogate, which is not valid Unicode"
+                    return message, path or "body"
+                stack.append((item, sub, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -26,19 +67,20 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
+    # Numbers are strict: "5", true or 5.5 for an integer is refused (400), not coerced.
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="extension, as in vLLM; 0 = off")
-    seed: int | None = None
-    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, strict=True, description="extension, as in vLLM; 0 = off")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX - 64, strict=True)  # room for seed + choice
+    n: int = Field(1, ge=1, strict=True)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -55,10 +97,10 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, strict=True)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -103,8 +145,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

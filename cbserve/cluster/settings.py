@@ -74,9 +74,24 @@ class WorkerConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs per tensor-parallel rank")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs per tensor-parallel rank")
     max_ongoing_requests: int = Field(256, ge=1, description="requests one replica accepts at once")
+    # Serve's `max_queued_requests`, counted at each caller (ingress replica): beyond
+    # max_ongoing_requests x replicas, this many wait; more are refused at once (overload).
+    max_queued_requests: int = Field(
+        512, ge=-1, description="requests each ingress replica queues for the workers; -1 = unbounded"
+    )
+    overload_status_code: Literal[503, 429] = Field(503, description="HTTP status of a refused (overload) request")
+    retry_after_s: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="Retry-After of an overload refusal")
     graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0)
     graceful_shutdown_timeout_s: float = Field(120.0, gt=0.0, description="drain limit on scale-down")
     health_check_period_s: float = Field(10.0, gt=0.0)
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("max_queued_requests must be >= 1, or -1 for no limit; 0 would refuse everything "
+                             "beyond max_ongoing_requests without queueing, which Serve does not support")
+        return v
 
     @field_validator("autoscaling")
     @classmethod
@@ -103,6 +118,9 @@ class ClusterArgs(_Strict):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     ingress_replicas: int = Field(1, ge=1)
     api_key: str | None = Field(None, description=f"required bearer token; also read from ${API_KEY_ENV}")
+    metrics_require_api_key: bool = Field(
+        False, description="True: GET /metrics needs the API key too (only /health stays open)"
+    )
 
     @model_validator(mode="after")
     def _check_engine(self) -> ClusterArgs:
