@@ -693,6 +693,54 @@ def test_tp_rank_death_fails_in_flight_requests_and_replaces_the_replica(cluster
     _wait_idle(cluster, "tp", time.monotonic(), replicas=1)
 
 
+def test_tp_rank_hang_fails_within_cpu_group_timeout(cluster: dict[str, Any], reference: Any) -> None:
+    """Freeze rank 1 (SIGSTOP: alive but silent, so no connection breaks) mid-stream. Only the
+    collectives' `cpu_group_timeout` can notice: the streams fail after about that long (not
+    much sooner, not never) and the replica is replaced; the frozen rank is not left behind."""
+    import os
+    import signal
+
+    from cbserve.cluster.tp_ranks import rank_actor_name
+
+    rng = random.Random(5)
+    jobs = [(p, 400) for p in _prompts(rng, 3, "hang")]
+    reference(jobs)
+    [old] = [a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::tp#{WORKER}#")]
+    [rank] = _alive(rank_actor_name(f"cbserve-{old}", 1))
+    load = Load(cluster["http"])
+    for prompt, max_tokens in jobs:
+        load.start("/tp/v1/completions", prompt, max_tokens)
+    load.wait_flowing()
+    t_stop = time.monotonic()
+    os.kill(rank["Pid"], signal.SIGSTOP)  # a process of this test's own Ray cluster
+    try:
+        outs = load.results(timeout=TP_GROUP_TIMEOUT_S + 60)
+        for out in outs:
+            assert out.replica == old and out.kind == "stream_error", out
+            _check_error_shape(out)
+            assert "tensor-parallel" in out.error["message"], out
+        detect_s = max(o.ended for o in outs) - t_stop
+        recovery_s, _, _ = _probe_until_new_replica(cluster, "tp", t_stop, {old}, reference)
+        print(f"\n[faults] tp rank hang: {len(outs)} in-flight streams failed {detect_s:.2f}s after SIGSTOP "
+              f"(cpu_group_timeout {TP_GROUP_TIMEOUT_S:g}s); replacement served a request {recovery_s:.1f}s after")
+        assert TP_GROUP_TIMEOUT_S - 1 <= detect_s < TP_GROUP_TIMEOUT_S + 15
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _pid_alive(rank["Pid"]):
+            time.sleep(0.5)
+        assert not _pid_alive(rank["Pid"]), "the frozen rank outlived its replica"
+    finally:
+        if _pid_alive(rank["Pid"]):
+            os.kill(rank["Pid"], signal.SIGKILL)  # never leave a stopped process behind
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie is gone, just not reaped
+    except FileNotFoundError:
+        return False
+
+
 # ---- 4. scale-down and shutdown under load ---------------------------------------------------------
 
 
