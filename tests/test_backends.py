@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_attention defines its kernels
@@ -22,7 +21,7 @@ from cbserve.kernels import backends
 from cbserve.kernels import triton_attention as tri
 from cbserve.workers import cuda_graphs
 from cbserve.workers.block_table import BlockTables
-from cbserve.workers.engine import EngineCore
+from tests.test_exactness import assert_matches_reference, run_engine
 from tests.tiny_models import random_prompts, reference_generate, tiny_model
 
 if tri.TRITON_AVAILABLE and not tri._INTERPRETED and not torch.cuda.is_available():
@@ -39,25 +38,16 @@ def reference(model, prompts, max_new=MAX_NEW):
 def run(model, prompts, max_new=MAX_NEW, graphs=None, **config):
     cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=120, max_batch_tokens=64,
                                            return_logprobs=True, **config)
-    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, cfg)
-    if graphs is not None:
-        engine.runner.graphs = graphs(engine)
-    try:
-        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
-    return requests, engine
+
+    def setup(engine):
+        if graphs is not None:
+            engine.runner.graphs = graphs(engine)
+
+    return run_engine(model, prompts, cfg, max_new, setup)
 
 
 def assert_same(requests, refs, tol=1e-6):
-    for r, (tokens, logprobs) in zip(requests, refs):
-        assert r.generated == tokens, r.request_id
-        assert r.logprobs == pytest.approx(logprobs, abs=tol), r.request_id
+    assert_matches_reference(requests, refs, tol)
 
 
 # -- selection ---------------------------------------------------------------------------------
@@ -224,17 +214,8 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str) -> None:
     cfg = cbserve.ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=256, return_logprobs=True,
                                            attention_backend=backend, use_cuda_graph=(False, True),
                                            max_blocks_per_request=2)
-    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, cfg)
-    try:
-        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-        assert engine.runner.graphs is not None and engine.runner.graphs._graphs
-    finally:
-        engine.release_model()
+    requests, engine = run_engine(model, prompts, cfg, 8)
+    assert engine.runner.graphs is not None and engine.runner.graphs._graphs
     assert_same(requests, reference(model, prompts, 8), tol=1e-3)
 
 
