@@ -218,26 +218,3 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str) -> None:
     assert engine.runner.graphs is not None and engine.runner.graphs._graphs
     assert_same(requests, reference(model, prompts, 8), tol=1e-3)
 
-
-# -- fused projections -------------------------------------------------------------------------
-
-
-def test_fused_projections_share_weights_match_and_restore() -> None:
-    from cbserve.workers.fused_projections import FusedProjections
-
-    model = tiny_model("qwen2")  # q/k/v with biases
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    x = torch.randn(1, 5, 64, dtype=torch.float64)
-    before = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
-    fused = FusedProjections(model)
-    assert len(fused.groups) == 2 * len(model.model.layers)
-    group = fused.groups[0]
-    assert attn.k_proj.weight.data_ptr() == group.weight[group.bounds[1][0]:].data_ptr()  # a view, no copy
-    after = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.gate_proj(x), mlp.up_proj(x)]
-    for a, b in zip(before, after):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    other = x + 1  # another input than the one q_proj saw: computed on its own
-    torch.testing.assert_close(attn.v_proj(other), torch.nn.functional.linear(other, attn.v_proj.weight,
-                                                                               attn.v_proj.bias))
-    fused.restore()
-    assert attn.q_proj.forward.__func__ is torch.nn.Linear.forward

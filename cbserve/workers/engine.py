@@ -27,7 +27,6 @@ from cbserve.workers import compilation
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import DecodeGraphs, cuda_graph_factory
-from cbserve.workers.fused_projections import FusedProjections
 from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
@@ -136,8 +135,6 @@ class EngineCore:
             cfg.q_padding_interval_size,
         ), backends.kernels(self.attention_backend), self._fast_path_width(max_request_tokens_hint))
         self.runner.graphs = self._decode_graphs(max_requests)
-        # Compiled layers are left to the compiler; eager ones get q/k/v and gate/up as one GEMM.
-        self.fused = None if self.runner.forward.enabled else FusedProjections(model)
         if cfg.use_async_batching:
             logger.warning("use_async_batching is not implemented yet: steps prepare their inputs synchronously")
         self.sampler = Sampler(cfg.seed)
@@ -220,8 +217,6 @@ class EngineCore:
     def release_model(self) -> None:
         """Give the model back its own attention implementation and eager layers."""
         self.runner.forward.restore()
-        if self.fused is not None:
-            self.fused.restore()
         self.model.set_attn_implementation(self._previous_attn)
 
     # -- requests ----------------------------------------------------------------------------
