@@ -108,3 +108,14 @@ def test_broken_attention_is_caught(monkeypatch) -> None:
     requests, _ = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
     with pytest.raises(AssertionError):
         assert_matches_reference(requests, reference("llama", tuple(LENGTHS), MAX_NEW))
+
+
+def test_decode_rows_attended_in_chunks(monkeypatch) -> None:
+    """On a CPU the decode rows are gathered and attended a few requests at a time (cache
+    locality); one request per chunk must give the same tokens and logprobs."""
+    from cbserve.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "DECODE_CHUNK_BYTES", 1)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True)
+    requests, _ = run_engine(model_for("qwen3"), random_prompts(LENGTHS), cfg)
+    assert_matches_reference(requests, reference("qwen3", tuple(LENGTHS), MAX_NEW))

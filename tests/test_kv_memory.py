@@ -8,6 +8,7 @@ import functools
 import pytest
 
 import cbserve
+from cbserve.workers.engine import EngineCore
 from tests.test_exactness import assert_matches_reference, reference, run_engine
 from tests.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -136,5 +137,20 @@ def test_cancel_while_offloaded_frees_host_and_device_pages() -> None:
             engine.step()
         assert pool.num_free == pool.num_blocks
         assert all(r.status.is_final for r in requests)
+    finally:
+        engine.release_model()
+
+
+def test_auto_num_blocks_counts_one_partial_page_per_request() -> None:
+    """128 requests of 144 tokens each need 128 pages of 256 tokens, not 144 * 128 / 256 = 72:
+    too few pages would run the batch in two waves."""
+    from transformers import GenerationConfig
+
+    engine = EngineCore(tiny_model("llama"), GenerationConfig(max_new_tokens=128),
+                        cbserve.ContinuousBatchingConfig(page_size=256),
+                        max_total_tokens_hint=128 * 144, num_requests_hint=128)
+    try:
+        assert engine.cache.num_blocks >= 128
+        assert engine.scheduler.max_requests >= 128
     finally:
         engine.release_model()

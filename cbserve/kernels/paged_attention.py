@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from cbserve.kernels.backends import KernelBackend
 
 ATTENTION_NAME = "cbserve_paged"
+DECODE_CHUNK_BYTES = 5 << 19  # K+V gathered per decode SDPA call on a CPU (2.5 MiB: stays in cache)
 
 
 def window_slots(
@@ -209,8 +210,15 @@ def paged_attention_forward(
     if nd:
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
         slots, mask = cb_meta.decode_kv(sliding_window)
-        k, v = gather(slots)  # [nd, L, kvH, D]
-        out[0, :nd] = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, scaling, softcap).squeeze(2)
+        # On a CPU, gather and attend a few requests at a time: their K/V copy is still in cache
+        # when SDPA reads it (1.3-2x faster than one gather of the whole batch at 128 requests).
+        row_bytes = 2 * slots.shape[1] * kv_heads * head_dim * k_cache.element_size()
+        step = nd if k_cache.is_cuda else max(1, DECODE_CHUNK_BYTES // row_bytes)
+        for s in range(0, nd, step):
+            e = min(nd, s + step)
+            k, v = gather(slots[s:e])  # [rows, L, kvH, D]
+            out[0, s:e] = attend(q[s:e], k.transpose(1, 2), v.transpose(1, 2), mask[s:e], scaling,
+                                 softcap).squeeze(2)
     for chunk in cb_meta.prefills:
         s, e = chunk.q_start, chunk.q_end
         slots, mask = chunk.kv(sliding_window)

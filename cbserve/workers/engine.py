@@ -164,7 +164,9 @@ class EngineCore:
         if max_total_tokens_hint is None:  # no workload known: what a full batch could use
             max_requests = cfg.max_requests_per_batch or num_requests_hint or DEFAULT_MAX_REQUESTS
             max_total_tokens_hint = max_requests * min(s.max_context, 1 << 16)
-        return min(blocks, -(-max_total_tokens_hint // cfg.page_size) + 1)
+        # Every request rounds its last page up: up to one partly filled page per request.
+        partial_pages = num_requests_hint or 1
+        return min(blocks, -(-max_total_tokens_hint // cfg.page_size) + partial_pages)
 
     def _fast_path_width(self, max_request_tokens_hint: int | None) -> int:
         """Block-table width of the decode fast path (`max_blocks_per_request`); 0 = off."""
