@@ -536,6 +536,44 @@ def test_service_turns_a_worker_dying_mid_request_into_an_error(ending: str) -> 
     assert info.value.status == 503
 
 
+
+@pytest.mark.parametrize("ending", ["raise", "stop"])
+def test_grpc_generate_turns_a_worker_dying_mid_request_into_unavailable(ending: str, monkeypatch) -> None:
+    """gRPC: a status (UNAVAILABLE), never UNKNOWN and never an OK stream cut short."""
+    import asyncio
+
+    import grpc
+
+    from cbserve.cluster import grpc_service
+    from cbserve.cluster.ingress import OpenAIIngress
+    from cbserve.cluster.metrics import ServingMetrics
+
+    service = _service_with_failing_worker(ending)
+    ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve, no FastAPI app
+    ingress._api_key, ingress.metrics, ingress.service = None, ServingMetrics(MODEL), service
+    ingress._open_choice = service._open_choice
+    monkeypatch.setattr(grpc_service, "to_worker_request", lambda request, service: None)
+
+    class Context:
+        code = None
+
+        def invocation_metadata(self) -> list:
+            return []
+
+        def set_code(self, code: Any) -> None:
+            self.code = code
+
+        def set_details(self, details: str) -> None:
+            self.details = details
+
+    async def collect(ctx: Context) -> list[Any]:
+        return [m async for m in ingress.Generate(None, ctx)]
+
+    ctx = Context()
+    with pytest.raises(grpc_service.GrpcAbort):
+        asyncio.run(collect(ctx))
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE and "before the request finished" in ctx.details
+
 # ---- 1. disconnects under load ------------------------------------------------------------------
 
 

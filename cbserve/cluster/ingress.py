@@ -326,17 +326,28 @@ class OpenAIIngress:
         try:
             yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,
                                                 replica=stream.start.replica or "")
-            async for ev in stream.events:
-                if ev.kind == "delta":
-                    timer.on_tokens(len(ev.token_ids))
-                    yield grpc_service.delta_message(ev)
-                elif ev.kind == "end" and ev.finish_reason != "abort":
-                    timer.on_end(ev.finish_reason or "stop")
-                    yield generate_pb2.GenerateResponse(finish_reason=ev.finish_reason or "stop",
-                                                        completion_tokens=ev.completion_tokens)
-                    return
-                else:
-                    code = grpc.StatusCode.UNAVAILABLE if ev.kind == "end" else grpc_service.grpc_status(ev.status)
-                    grpc_service.abort(grpc_context, code, ev.message or "the request was cancelled by the server")
+            try:
+                async for ev in stream.events:
+                    if ev.kind == "delta":
+                        timer.on_tokens(len(ev.token_ids))
+                        yield grpc_service.delta_message(ev)
+                    elif ev.kind == "end" and ev.finish_reason != "abort":
+                        timer.on_end(ev.finish_reason or "stop")
+                        yield generate_pb2.GenerateResponse(finish_reason=ev.finish_reason or "stop",
+                                                            completion_tokens=ev.completion_tokens)
+                        return
+                    else:
+                        code = grpc.StatusCode.UNAVAILABLE if ev.kind == "end" else grpc_service.grpc_status(ev.status)
+                        grpc_service.abort(grpc_context, code, ev.message or "the request was cancelled by the server")
+            except grpc_service.GrpcAbort:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the worker died mid-stream: a status, not UNKNOWN
+                logger.warning("a worker failed mid-request: %r", exc)
+                grpc_service.abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
+                                   f"the worker serving this request failed before the request finished "
+                                   f"({type(exc).__name__})")
+            # The events stopped without an end event: never let that look like a finished stream.
+            grpc_service.abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
+                               "the worker stopped before the request finished")
         finally:
             stream.cancel()
