@@ -432,7 +432,8 @@ def test_deleting_the_app_drains_in_flight_requests(cluster: dict[str, Any]) -> 
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert chunks[-1].usage.completion_tokens == 200
-    status, _, _ = _raw(cluster, "POST", "/routed/v1/completions", b"{}", {"Content-Type": "application/json"})
+    # With the key: the remaining app (route "/") now gets the path and knows no such route.
+    status, _, _ = _raw(cluster, "POST", "/routed/v1/completions", b"{}", _auth())
     assert status == 404
 
 
