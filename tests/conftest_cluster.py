@@ -6,8 +6,12 @@ downloads anything: the tokenizer is a word-level vocabulary trained in-process.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,3 +96,47 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not (folder / "config.json").exists():
         build_tiny_model(folder)
     return folder
+
+
+SERVICER = "cbserve.cluster.grpc_service.add_generate_servicer"
+# A loaded 2-core machine can take longer than Serve's 5 s to ready a proxy (which it then kills).
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
+def _start_serve(serve: Any) -> tuple[int, int]:
+    """Start Serve's proxies; once more on fresh ports if a loaded machine lets the proxy miss its
+    start-up deadline."""
+    for attempt in range(2):
+        http_port, grpc_port = free_port(), free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                        grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
+            return http_port, grpc_port
+        except Exception:
+            if attempt:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def serve_app(args: dict[str, Any]) -> Iterator[tuple[Any, int, int]]:
+    """A local Ray with the cbserve app of `args` at route "/"; yields (serve, http port, gRPC
+    port) and shuts everything down afterwards."""
+    import ray
+    from ray import serve
+
+    from cbserve.cluster.app import build_app
+
+    added = [k for k in PROXY_PATIENCE if k not in os.environ]
+    os.environ.update({k: PROXY_PATIENCE[k] for k in added})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        http_port, grpc_port = _start_serve(serve)
+        serve.run(build_app(args), name="cbserve", route_prefix="/")
+        yield serve, http_port, grpc_port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k in added:
+            os.environ.pop(k, None)

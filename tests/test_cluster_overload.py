@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
 import statistics
 import threading
 import time
@@ -18,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_cluster import free_port, tiny_model_dir
+from conftest_cluster import serve_app, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "tiny"
 MAX_ONGOING, MAX_QUEUED, RETRY_AFTER = 2, 2, 2.0
-SERVICER = "cbserve.cluster.grpc_service.add_generate_servicer"
 HOLD_PROMPT = "hello world"  # greedy on the tiny model runs to max_tokens (no early EOS)
 
 
@@ -41,44 +39,10 @@ def _args(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _start_serve(serve: Any) -> tuple[int, int]:
-    """Start Serve's proxies; once more on fresh ports if a loaded machine lets the proxy miss its
-    start-up deadline (Serve then kills it)."""
-    for attempt in range(2):
-        http_port, grpc_port = free_port(), free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                        grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
-            return http_port, grpc_port
-        except Exception:
-            if attempt:
-                raise
-            serve.shutdown()
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import ray
-    from ray import serve
-
-    from cbserve.cluster.app import build_app
-
-    model_dir = tiny_model_dir(tmp_path_factory)
-    # A loaded 2-core machine can take longer than Serve's 5 s to ready a proxy (then killed).
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
-    added = [k for k in patience if k not in os.environ]
-    os.environ.update({k: patience[k] for k in added})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        http_port, grpc_port = _start_serve(serve)
-        serve.run(build_app(_args(model_dir)), name="cbserve", route_prefix="/")
+    with serve_app(_args(tiny_model_dir(tmp_path_factory))) as (serve, http_port, grpc_port):
         yield {"http": http_port, "grpc": grpc_port, "serve": serve}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _post(cluster: dict[str, Any], body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, str], bytes, float]:

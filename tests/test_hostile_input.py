@@ -17,19 +17,17 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest_cluster import free_port, tiny_model_dir
+from conftest_cluster import serve_app, tiny_model_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 MODEL = "tiny"
 MAX_TOKENS = 6  # limits.max_tokens: any accepted request is short
-SERVICER = "cbserve.cluster.grpc_service.add_generate_servicer"
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
@@ -88,50 +86,17 @@ field_values = st.one_of(
 )
 
 
-def _start_serve(serve: Any) -> tuple[int, int]:
-    """Start Serve's proxies; once more on fresh ports if a loaded machine lets the proxy miss its
-    start-up deadline (Serve then kills it)."""
-    for attempt in range(2):
-        http_port, grpc_port = free_port(), free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                        grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
-            return http_port, grpc_port
-        except Exception:
-            if attempt:
-                raise
-            serve.shutdown()
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import ray
-    from ray import serve
-
-    from cbserve.cluster.app import build_app
-
     model_dir = tiny_model_dir(tmp_path_factory)
-    # A loaded 2-core machine can take longer than Serve's 5 s to ready a proxy (then killed).
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
-    added = [k for k in patience if k not in os.environ]
-    os.environ.update({k: patience[k] for k in added})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        http_port, grpc_port = _start_serve(serve)
-        args = {"model": str(model_dir), "served_model_name": MODEL,
-                "engine": {"page_size": 8, "num_blocks": 128, "max_batch_tokens": 256},
-                "generation": {"max_tokens": 4},
-                "limits": {"max_tokens": MAX_TOKENS, "max_body_bytes": 65536, "max_n": 2, "max_prompts": 2}}
-        serve.run(build_app(args), name="cbserve", route_prefix="/")
+    args = {"model": str(model_dir), "served_model_name": MODEL,
+            "engine": {"page_size": 8, "num_blocks": 128, "max_batch_tokens": 256},
+            "generation": {"max_tokens": 4},
+            "limits": {"max_tokens": MAX_TOKENS, "max_body_bytes": 65536, "max_n": 2, "max_prompts": 2}}
+    with serve_app(args) as (serve, http_port, grpc_port):
         cluster = {"http": http_port, "grpc": grpc_port, "model_dir": model_dir, "serve": serve}
         cluster["probe"] = _probe(cluster)
         yield cluster
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _post(cluster: dict[str, Any], path: str, body: bytes, content_type: str = "application/json"

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest_cluster import free_port, tiny_model_dir
+from conftest_cluster import serve_app, tiny_model_dir
 
 API_KEY = "s3cret-key-for-tests"
 MODEL = "tiny"
-SERVICER = "cbserve.cluster.grpc_service.add_generate_servicer"
 CLUSTER_PACKAGE = Path(__file__).resolve().parents[1] / "cbserve" / "cluster"
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "the sea", "max_tokens": 2, "temperature": 0}).encode()
@@ -108,48 +106,15 @@ def test_api_key_compare_is_constant_time() -> None:
 # ---- the real app ------------------------------------------------------------------------------
 
 
-def _start_serve(serve: Any) -> tuple[int, int]:
-    """Start Serve's proxies; once more on fresh ports if a loaded machine lets the proxy miss its
-    start-up deadline (Serve then kills it)."""
-    for attempt in range(2):
-        http_port, grpc_port = free_port(), free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                        grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
-            return http_port, grpc_port
-        except Exception:
-            if attempt:
-                raise
-            serve.shutdown()
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import ray
-    from ray import serve
-
-    from cbserve.cluster.app import build_app
-
     model_dir = tiny_model_dir(tmp_path_factory)
-    # A loaded 2-core machine can take longer than Serve's 5 s to ready a proxy (then killed).
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
-    added = [k for k in patience if k not in os.environ]
-    os.environ.update({k: patience[k] for k in added})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        http_port, grpc_port = _start_serve(serve)
-        args = {"model": str(model_dir), "served_model_name": MODEL, "api_key": API_KEY,
-                "metrics_require_api_key": True,
-                "engine": {"page_size": 8, "num_blocks": 128, "max_batch_tokens": 256},
-                "generation": {"max_tokens": 4}, "limits": {"max_tokens": 16}}
-        serve.run(build_app(args), name="cbserve", route_prefix="/")
+    args = {"model": str(model_dir), "served_model_name": MODEL, "api_key": API_KEY,
+            "metrics_require_api_key": True,
+            "engine": {"page_size": 8, "num_blocks": 128, "max_batch_tokens": 256},
+            "generation": {"max_tokens": 4}, "limits": {"max_tokens": 16}}
+    with serve_app(args) as (_serve, http_port, grpc_port):
         yield {"http": http_port, "grpc": grpc_port, "model_dir": model_dir}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def _raw(cluster: dict[str, Any], method: str, path: str, body: bytes | None = None,
