@@ -45,8 +45,9 @@ class ContinuousBatchingConfig(BaseModel):
     return_logprobs: bool = False
     seed: int | None = None
     auto_switch_to_flash: bool = True
-    attention_backend: Literal["auto", "sdpa", "triton", "flash", "reference"] = Field(
-        "auto", description="auto: flash, else triton on CUDA; sdpa on CPU (see kernels/backends.py)"
+    attention_backend: Literal["auto", "cpu", "sdpa", "triton", "flash", "reference"] = Field(
+        "auto", description="auto: flash, else triton on CUDA; the C++ decode kernel (cpu), else sdpa, on a CPU "
+        "(see kernels/backends.py)"
     )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)

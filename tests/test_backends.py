@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_attention defines its kernels
 
 import cbserve
-from cbserve.kernels import backends
+from cbserve.kernels import backends, cpu_kernels
 from cbserve.kernels import triton_attention as tri
 from cbserve.workers import cuda_graphs
 from cbserve.workers.block_table import BlockTables
@@ -53,9 +53,19 @@ def assert_same(requests, refs, tol=1e-6):
 # -- selection ---------------------------------------------------------------------------------
 
 
-def test_auto_is_sdpa_on_cpu_and_explicit_choices_say_why_they_cannot_run(monkeypatch) -> None:
+def test_auto_on_cpu_is_the_cpp_kernel_else_sdpa_and_explicit_choices_say_why_they_cannot_run(
+    monkeypatch, caplog
+) -> None:
     cpu = torch.device("cpu")
-    assert backends.select("auto", cpu, 16, True) == "sdpa"
+    assert backends.select("auto", cpu, 16, True) == "cpu"  # CI machines have a C++ compiler
+    with pytest.raises(ValueError, match="runs on CPUs, the model is on cuda"):
+        backends.select("cpu", torch.device("cuda"), 16, True)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler ('c++' is not on PATH)")
+    with caplog.at_level("WARNING", logger="cbserve.kernels.backends"):
+        assert backends.select("auto", cpu, 16, True) == "sdpa"
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: no C\\+\\+ compiler"):
+        backends.select("cpu", cpu, 16, True)
     with pytest.raises(ValueError, match="flash-attn runs only on CUDA"):
         backends.select("flash", cpu, 256, True)
     monkeypatch.setattr(tri, "_INTERPRETED", False)
@@ -99,6 +109,36 @@ def test_reference_backend_equals_generate(arch: str, fast_path: int) -> None:
     requests, engine = run(model, prompts, attention_backend="reference", max_blocks_per_request=fast_path)
     assert engine.attention_backend == "reference"
     assert_same(requests, reference(model, prompts))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen3", {}), ("gpt2", {}),
+                                            ("mistral", {"sliding_window": 8}), ("gemma2", {"sliding_window": 8})])
+def test_cpu_backends_equal_generate(backend: str, arch: str, overrides: dict, monkeypatch) -> None:
+    """The CPU backends: decode rows through the C++ kernel (cpu) or gathered SDPA (sdpa)."""
+    calls = []
+    kernel = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(a[3].shape) or kernel(*a))
+    model = tiny_model(arch, **overrides)
+    prompts = random_prompts([3, 30, 50] if overrides else LENGTHS)
+    requests, engine = run(model, prompts, attention_backend=backend)
+    assert engine.attention_backend == backend
+    assert_same(requests, reference(model, prompts))
+    assert bool(calls) == (backend == "cpu")
+
+
+def test_cpu_backend_test_catches_a_wrong_kernel(monkeypatch) -> None:
+    kernel = cpu_kernels.paged_decode_attention
+
+    def wrong_scale(q, k_cache, v_cache, block_tables, context_lens, scale, *args):
+        return kernel(q, k_cache, v_cache, block_tables, context_lens, scale * 0.9, *args)
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", wrong_scale)
+    model = tiny_model("llama")
+    prompts = random_prompts(LENGTHS)
+    requests, _ = run(model, prompts, attention_backend="cpu")
+    with pytest.raises(AssertionError):
+        assert_same(requests, reference(model, prompts))
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])

@@ -104,7 +104,8 @@ def test_broken_attention_is_caught(monkeypatch) -> None:
         return original(q, k, v, mask, scale, softcap)
 
     monkeypatch.setattr(paged_attention, "attend", forgetful)
-    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True,
+                                           attention_backend="sdpa")  # decode rows through `attend` too
     requests, _ = run_engine(model_for("llama"), random_prompts(LENGTHS), cfg)
     with pytest.raises(AssertionError):
         assert_matches_reference(requests, reference("llama", tuple(LENGTHS), MAX_NEW))
@@ -116,6 +117,7 @@ def test_decode_rows_attended_in_chunks(monkeypatch) -> None:
     from cbserve.kernels import paged_attention
 
     monkeypatch.setattr(paged_attention, "DECODE_CHUNK_BYTES", 1)
-    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=300, return_logprobs=True,
+                                           attention_backend="sdpa")
     requests, _ = run_engine(model_for("qwen3"), random_prompts(LENGTHS), cfg)
     assert_matches_reference(requests, reference("qwen3", tuple(LENGTHS), MAX_NEW))

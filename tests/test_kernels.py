@@ -1,4 +1,5 @@
-"""Paged-attention kernels: reference vs dense attention, Triton vs reference, flash-attn adapters.
+"""Paged-attention kernels: reference vs dense attention, Triton and the C++ CPU decode kernel vs
+reference, flash-attn adapters.
 
 On a machine without CUDA the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1,
 set below before triton is imported), so shapes stay small. CBSERVE_TEST_DEVICE=cuda runs them on a GPU.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import shutil
 import sys
 import types
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ if DEVICE == "cpu":
 
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
+from torch.utils import cpp_extension
+
+from cbserve.kernels import cpu_kernels
 from cbserve.kernels import flash_attn_adapter as fa
 from cbserve.kernels import reference as ref
 from cbserve.kernels import triton_attention as tri
@@ -275,6 +280,32 @@ def test_triton_missing_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         tri.paged_decode_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 1.0
         )
+
+
+# ---------------------------------------------------------------- C++ CPU decode vs reference
+
+needs_cpu_kernel = pytest.mark.skipif(
+    DEVICE != "cpu" or shutil.which(cpp_extension.get_cxx_compiler()) is None,
+    reason="the C++ decode kernel is built for CPUs, with a C++ compiler",
+)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", [*CASES, (16, 2, 3, 64, 7, 50.0, torch.float64)], ids=_case_id)
+@pytest.mark.parametrize("many", [False, True], ids=["few-requests", "many-requests"])
+def test_cpu_decode_matches_reference(case: tuple, many: bool) -> None:
+    """Few requests: tasks split by KV head; many (>= 4 per thread): a task reads whole token rows."""
+    assert cpu_kernels.unavailable_reason() == ""  # a compiler is here: the build must work
+    page, kvh, group, d, window, softcap, dtype = case
+    ctx = DECODE_CTX * 12 if many else DECODE_CTX
+    batch = make_batch([(c, 1) for c in ctx], page, kvh, group, d, dtype, seed=page + group, window=window)
+    args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.25, window, softcap)
+    want = ref.paged_decode_attention(decode_q(batch), *args)
+    assert not want.isnan().any()
+    got = cpu_kernels.paged_decode_attention(decode_q(batch), *args)
+    assert got.dtype == dtype
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else _tol(dtype)
+    torch.testing.assert_close(got, want, **tol)
 
 
 # ---------------------------------------------------------------- flash-attn adapters

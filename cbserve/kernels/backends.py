@@ -1,7 +1,10 @@
 """Which attention kernels the engine calls, chosen once at construction.
 
+- ``cpu``: decode rows through the C++ paged decode kernel (`cpu_kernels.py`: reads the pages
+  through the block table, no gathered copy), prefill chunks through SDPA as in ``sdpa``. The
+  default on a CPU when the kernel builds (needs a C++ compiler and ninja).
 - ``sdpa``: PyTorch only (`paged_attention.py`): K/V rows gathered per step, then
-  `scaled_dot_product_attention`. The default without CUDA, and fast on CPUs.
+  `scaled_dot_product_attention`. The fallback without CUDA when the C++ kernel cannot be built.
 - ``triton``: the Triton kernels (`triton_attention.py`) read the pages through block tables;
   no gather, no host synchronisation, so decode steps can be captured in CUDA graphs. The
   default on CUDA. On a CPU it runs only under Triton's interpreter (tests).
@@ -22,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "triton", "flash", "reference")
+BACKENDS = ("auto", "cpu", "sdpa", "triton", "flash", "reference")
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,9 @@ class KernelBackend:
     name: str
     store_kv: Callable[..., None]
     decode: Callable[..., torch.Tensor]  # q [B, H, D] -> [B, H, D]
-    varlen: Callable[..., torch.Tensor]  # packed q [T, H, D] -> [T, H, D]
+    # packed q [T, H, D] -> [T, H, D]; None: prefill chunks go through the SDPA path, which also
+    # stores K/V itself, and only decode rows use `decode` (the ``cpu`` backend).
+    varlen: Callable[..., torch.Tensor] | None
     # flash-attn wants the longest query and context as host ints (else it syncs to find them).
     varlen_takes_max_seqlen: bool = False
 
@@ -47,6 +52,14 @@ def _triton_problem(device: torch.device) -> str:
     if device.type not in ("cpu", "cuda"):
         return f"Triton kernels do not run on {device.type} devices"
     return ""
+
+
+def _cpu_problem(device: torch.device) -> str:
+    from cbserve.kernels import cpu_kernels
+
+    if device.type != "cpu":
+        return f"the C++ decode kernel runs on CPUs, the model is on {device.type}"
+    return cpu_kernels.unavailable_reason()
 
 
 def _flash_problem(device: torch.device, page_size: int) -> str:
@@ -71,6 +84,7 @@ def select(requested: str, device: torch.device, page_size: int, auto_switch_to_
     if requested not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {requested!r}")
     problems = {
+        "cpu": lambda: _cpu_problem(device),
         "sdpa": lambda: "",
         "reference": lambda: "",
         "triton": lambda: _triton_problem(device),
@@ -83,7 +97,11 @@ def select(requested: str, device: torch.device, page_size: int, auto_switch_to_
         logger.info("attention backend: %s (requested)", requested)
         return requested
     if device.type != "cuda":
-        logger.info("attention backend: sdpa (no CUDA device: the Triton and flash-attn kernels are GPU-only)")
+        cpu_problem = problems["cpu"]()
+        if not cpu_problem:
+            logger.info("attention backend: cpu (C++ paged decode kernel; prefill through SDPA)")
+            return "cpu"
+        logger.warning("attention backend: sdpa (the C++ paged decode kernel is not used: %s)", cpu_problem)
         return "sdpa"
     flash_problem = problems["flash"]() if auto_switch_to_flash else "auto_switch_to_flash is off"
     if not flash_problem:
@@ -107,6 +125,11 @@ def kernels(name: str) -> KernelBackend | None:
     """The kernel functions of a backend; None for `sdpa`, which gathers and calls SDPA itself."""
     if name == "sdpa":
         return None
+    if name == "cpu":
+        from cbserve.kernels import cpu_kernels
+        from cbserve.kernels import reference as ref
+
+        return KernelBackend(name, ref.store_kv, cpu_kernels.paged_decode_attention, None)
     if name == "reference":
         from cbserve.kernels import reference as ref
 

@@ -4,19 +4,21 @@ It is registered with `transformers.AttentionInterface`; each layer hands it the
 query/key/value of the packed batch ([1, heads, T, head_dim]) and the step's metadata. It
 writes the new K/V into the layer's pages by slot mapping, then attends:
 
-- decode rows (one query per request) in one batched call over each request's gathered K/V,
-  padded to the longest context of the batch, with SDPA's GQA support (no repeated heads);
+- decode rows (one query per request) through the backend's paged decode kernel when it has one
+  for this path (the C++ CPU kernel of the ``cpu`` backend), else in batched SDPA calls over each
+  request's gathered K/V, padded to the longest context, with SDPA's GQA support;
 - prefill chunks one request at a time, causal with an offset over the cached prefix.
 
 No dense block-diagonal mask over the whole batch is ever built.
 
-With a kernel backend (`backends.py`: triton, flash, reference) the step's block tables go to
-the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
+With a full kernel backend (`backends.py`: triton, flash, reference) the step's block tables go
+to the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
 over every request otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +110,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
     kernel_inputs: KernelInputs | None = None
+    decode_kernel: Callable[..., torch.Tensor] | None = None  # for the decode rows (reference signature)
     fast_decode: bool = False  # decode-only batch on the fixed-width block table (decode fast path)
     _decode_kv: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -207,7 +210,12 @@ def paged_attention_forward(
         return k_rows.index_select(0, flat).view(shape), v_rows.index_select(0, flat).view(shape)
 
     nd = cb_meta.num_decodes
-    if nd:
+    if nd and cb_meta.decode_kernel is not None:
+        scale = head_dim**-0.5 if scaling is None else scaling
+        out[0, :nd] = cb_meta.decode_kernel(query[0, :, :nd].transpose(0, 1), k_cache, v_cache,
+                                            cb_meta.decode_block_table, cb_meta.decode_context_lens, scale,
+                                            sliding_window, softcap)
+    elif nd:
         q = query[0, :, :nd].transpose(0, 1).unsqueeze(2)  # [nd, H, 1, D]
         slots, mask = cb_meta.decode_kv(sliding_window)
         # On a CPU, gather and attend a few requests at a time: their K/V copy is still in cache

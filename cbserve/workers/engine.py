@@ -183,14 +183,16 @@ class EngineCore:
         cfg, runner = self.config, self.runner
         wanted = cfg.use_cuda_graph
         varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
-        possible = runner.kernels is not None and runner.max_blocks_per_request > 0
+        # Graphs replay the kernels' block-table path; the sdpa/cpu paths hold host control flow.
+        full_kernels = runner.kernels is not None and runner.kernels.varlen is not None
+        possible = full_kernels and runner.max_blocks_per_request > 0
         if decode is None:
             decode = self.device.type == "cuda" and possible
         if varlen:
             logger.warning("CUDA graphs of varlen (prefill) batches are not implemented: only decode steps are captured")
         if not decode:
             return None
-        if runner.kernels is None:
+        if not full_kernels:
             raise ValueError("use_cuda_graph needs a kernel attention backend (triton or flash), "
                              f"got {self.attention_backend!r}")
         if runner.max_blocks_per_request == 0:

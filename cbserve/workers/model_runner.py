@@ -87,7 +87,7 @@ class ModelRunner:
                 sampled.append(s)
 
         kernel_inputs = None
-        if self.kernels is not None:
+        if self.kernels is not None and self.kernels.varlen is not None:
             q_lens = torch.tensor([s.num_query_tokens for s in ordered])
             cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
             torch.cumsum(q_lens, 0, out=cu_seqlens_q[1:])
@@ -106,6 +106,7 @@ class ModelRunner:
             decode_context_lens=lens[:nd] if nd else None,
             prefills=chunks,
             kernel_inputs=kernel_inputs,
+            decode_kernel=self.kernels.decode if self.kernels is not None and kernel_inputs is None else None,
             fast_decode=fast,
         )
         kwargs = {
