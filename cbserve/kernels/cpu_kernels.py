@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def unavailable_reason() -> str:
     compiler = cpp_extension.get_cxx_compiler() if hasattr(cpp_extension, "get_cxx_compiler") else "c++"
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH)"
-    if not cpp_extension.is_ninja_available():
+    if not _find_ninja(cpp_extension):
         return "ninja is not installed (pip install ninja)"
     try:
         cpp_extension.load(
@@ -49,6 +50,19 @@ def unavailable_reason() -> str:
         return f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc)[-500:]}"
     logger.info("CPU paged decode kernel loaded (%s)", SOURCE.name)
     return ""
+
+
+def _find_ninja(cpp_extension) -> bool:
+    """torch runs `ninja` from PATH; pip's ninja lives in a virtualenv's bin, not on PATH unless
+    the virtualenv is activated (a bare `.venv/bin/python`, Ray workers)."""
+    if cpp_extension.is_ninja_available():
+        return True
+    try:
+        import ninja
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.is_ninja_available()
 
 
 def paged_decode_attention(
