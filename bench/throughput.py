@@ -100,13 +100,17 @@ def greedy_config(max_new_tokens: int, pad_token_id: int | None) -> GenerationCo
 # -- engines -----------------------------------------------------------------------------------
 
 
+CBSERVE_OVERRIDES: dict = {}  # --cbserve-config: ContinuousBatchingConfig fields for ablations
+
+
 def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None) -> tuple[list, str]:
     """The loop of `generate_batch`, with each request's own max_new_tokens (which `generate_batch`'s
     single generation config cannot express), and the engine's host overhead share."""
     from cbserve.config import ContinuousBatchingConfig
     from cbserve.workers.engine import EngineCore
 
-    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}))
+    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}),
+                                         **CBSERVE_OVERRIDES)
     engine = EngineCore(
         model,
         greedy_config(max(work.lengths), pad_id),
@@ -125,7 +129,11 @@ def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None
             engine.step()
         t = engine.timings
         host = (t["schedule"] + t["prepare"]) / max(sum(t.values()), 1e-9)
-        note = f"EngineCore; host overhead (schedule+prepare) {100 * host:.1f}% of step time"
+        packed = f", {len(engine.packed_linears)} packed linears" if engine.packed_linears else ""
+        note = (f"EngineCore ({engine.attention_backend} attention{packed}); host overhead "
+                f"(schedule+prepare) {100 * host:.1f}% of step time")
+        if CBSERVE_OVERRIDES:
+            note += f"; config {json.dumps(CBSERVE_OVERRIDES)}"
         return [r.snapshot().generated_tokens for r in requests], note
     finally:
         engine.release_model()
@@ -221,29 +229,41 @@ def alone_reference(model, work: Workload, count: int, pad_id: int | None) -> li
     return out
 
 
+def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
+    for _ in range(2):  # warm-up
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str, float]:
-    """Best time of `F.linear` over every weight matrix (all layers' projections and lm_head)."""
+    """Best time of `F.linear` over every weight matrix (all layers' projections and lm_head), and on a
+    CPU the same with oneDNN-packed weights, which cbserve's engine uses there (`prepack_weights`)."""
+    from cbserve.workers import packed_linear
+
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
     sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
-    best = float("inf")
     with torch.inference_mode():
-        for _ in range(2):  # warm-up
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-        for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
-            sync()
-            best = min(best, time.perf_counter() - start)
+        best = _best_time(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], sync, repeats)
+        packed_best = None
+        if not packed_linear.unavailable_reason(weights[0].device, weights[0].dtype):
+            packed = [packed_linear.PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            packed_best = _best_time(lambda: [p(inputs[p.in_features]) for p in packed], sync, repeats)
+            del packed
     flops = sum(2 * tokens * w.numel() for w in weights)
     return {
         "matrices": len(weights),
         "seconds": best,
         "gflops": flops / best / 1e9,
         "tokens_per_s_ceiling": tokens / best,
+        "packed_seconds": packed_best,
     }
 
 
@@ -291,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="K",
         help="also compare cbserve with model.generate() on each of the first K prompts alone",
     )
+    parser.add_argument("--cbserve-config", type=json.loads, default={}, metavar="JSON",
+                        help='extra ContinuousBatchingConfig fields for cbserve, e.g. \'{"prepack_weights": false}\'')
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
@@ -310,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from cbserve.models import load_model
 
+    CBSERVE_OVERRIDES.update(args.cbserve_config)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -430,9 +453,15 @@ def report(runs: list[Run], checks: list[dict], roof: dict[str, float] | None) -
             f"{roof['seconds'] * 1e3:.1f} ms ({roof['gflops']:.1f} GFLOP/s): "
             f"ceiling {roof['tokens_per_s_ceiling']:.0f} tok/s"
         )
+        packed = roof.get("packed_seconds")
+        if packed:
+            print(f"  the same with oneDNN-packed weights (cbserve's CPU GEMMs): {packed * 1e3:.1f} ms, "
+                  f"ceiling {ROOFLINE_TOKENS / packed:.0f} tok/s")
         if ("decode", "cbserve") in rate:
             share = rate[("decode", "cbserve")] / roof["tokens_per_s_ceiling"]
             print(f"cbserve decode throughput = {share:.1%} of the matmul ceiling")
+            if packed:
+                print(f"  and {rate[('decode', 'cbserve')] * packed / ROOFLINE_TOKENS:.1%} of the packed-weights ceiling")
 
 
 if __name__ == "__main__":

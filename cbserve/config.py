@@ -49,6 +49,10 @@ class ContinuousBatchingConfig(BaseModel):
         "auto", description="auto: flash, else triton on CUDA; the C++ decode kernel (cpu), else sdpa, on a CPU "
         "(see kernels/backends.py)"
     )
+    prepack_weights: bool | None = Field(
+        None, description="linear weights packed once for oneDNN on a CPU (a second copy while the engine "
+        "runs; faster GEMMs); None: on for float32 CPU models without torch.compile"
+    )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
     max_queue_size: int = Field(0, ge=0)

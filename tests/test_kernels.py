@@ -22,9 +22,8 @@ DEVICE = os.environ.get("CBSERVE_TEST_DEVICE") or ("cuda" if torch.cuda.is_avail
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # triton reads it when kernels are defined
 
-from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
-
 from torch.utils import cpp_extension
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
 from cbserve.kernels import cpu_kernels
 from cbserve.kernels import flash_attn_adapter as fa

@@ -23,7 +23,7 @@ from cbserve.kernels import backends, paged_attention
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
-from cbserve.workers import compilation
+from cbserve.workers import compilation, packed_linear
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import DecodeGraphs, cuda_graph_factory
@@ -100,6 +100,7 @@ class EngineCore:
         self.device, self.dtype = param.device, param.dtype
 
         cfg = self.config
+        pack_weights = self._should_pack_weights()  # may refuse: before the model is touched
         self.max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         page_size = cfg.page_size
         num_blocks = cfg.num_blocks or self._auto_num_blocks(max_total_tokens_hint, num_requests_hint)
@@ -135,6 +136,7 @@ class EngineCore:
             cfg.q_padding_interval_size,
         ), backends.kernels(self.attention_backend), self._fast_path_width(max_request_tokens_hint))
         self.runner.graphs = self._decode_graphs(max_requests)
+        self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
         if cfg.use_async_batching:
             logger.warning("use_async_batching is not implemented yet: steps prepare their inputs synchronously")
         self.sampler = Sampler(cfg.seed)
@@ -204,6 +206,21 @@ class EngineCore:
                             runner.max_blocks_per_request, cfg.q_padding_interval_size, self.device,
                             cuda_graph_factory(self.device))
 
+    def _should_pack_weights(self) -> bool:
+        """Whether linear weights get packed for oneDNN (`prepack_weights`, CPU only)."""
+        cfg = self.config
+        compiled = cfg.default_compile_level > 0 or cfg.varlen_compile_config or cfg.decode_compile_config
+        reason = packed_linear.unavailable_reason(self.device, self.dtype) or (
+            "torch.compile does not trace oneDNN-packed weights" if compiled else "")
+        wanted = cfg.prepack_weights
+        if wanted and reason:
+            raise ValueError(f"prepack_weights=True cannot be used here: {reason}")
+        if wanted is None:
+            wanted = not reason
+            if reason and self.device.type == "cpu":
+                logger.info("linear weights not packed for oneDNN: %s", reason)
+        return wanted
+
     def _make_offload_pool(self) -> HostOffloadPool | None:
         cfg = self.config
         if cfg.cpu_offload_space == 0:
@@ -219,7 +236,8 @@ class EngineCore:
         return HostOffloadPool(self.cache, blocks)
 
     def release_model(self) -> None:
-        """Give the model back its own attention implementation and eager layers."""
+        """Give the model back its own attention implementation, linear layers and eager layers."""
+        packed_linear.unpack_linears(self.packed_linears)
         self.runner.forward.restore()
         self.model.set_attn_implementation(self._previous_attn)
 
