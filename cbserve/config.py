@@ -12,7 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 logger = logging.getLogger(__name__)
 
 MIN_AUTO_BATCH_TOKENS = 256
-DEFAULT_MAX_BATCH_TOKENS = 8192
+# Query tokens per forward pass when `max_batch_tokens` is not given. A CPU runs prefill in
+# smaller chunks: decode rows then ride along with prefill chunks instead of waiting for one huge
+# step (mixed benchmark: ~87 tok/s at 2048 vs ~75 at 8192, mean of 3 runs on 2 cores).
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 
@@ -28,7 +31,9 @@ class ContinuousBatchingConfig(BaseModel):
 
     page_size: int = Field(256, ge=4, description="tokens per KV page per layer")
     num_blocks: int | None = Field(None, ge=1, description="KV pages; None fills the memory budget")
-    max_batch_tokens: int | None = Field(None, ge=1, description="query tokens in one forward pass")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="query tokens in one forward pass; None: 2048 on a CPU, 8192 on a GPU"
+    )
     max_memory_percent: float | None = Field(None, gt=0.0, le=1.0)
     max_requests_per_batch: int | None = Field(None, ge=1)
     max_blocks_per_request: int | None = Field(None, ge=0)

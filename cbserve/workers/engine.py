@@ -101,7 +101,7 @@ class EngineCore:
 
         cfg = self.config
         pack_weights = self._should_pack_weights()  # may refuse: before the model is touched
-        self.max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
+        self.max_batch_tokens = cfg.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 8192)
         page_size = cfg.page_size
         num_blocks = cfg.num_blocks or self._auto_num_blocks(max_total_tokens_hint, num_requests_hint)
         self.cache = PagedKVCache(
