@@ -85,6 +85,8 @@ class ContinuousBatchingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _device_only_features(self) -> ContinuousBatchingConfig:
+        if self.use_async_batching and self.tp_size > 1:
+            raise ValueError("use_async_batching=True works with tp_size=1 only (the ranks get host inputs)")
         if not torch.cuda.is_available():
             graphs = self.use_cuda_graph
             wants_graphs = any(graphs) if isinstance(graphs, tuple) else bool(graphs)

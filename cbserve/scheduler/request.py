@@ -41,6 +41,8 @@ class Request:
     logprobs: list[float] | None = None
     # Tokens whose K/V are in the cache; the rest of `tokens` is computed by the next steps.
     num_computed: int = 0
+    # Async batching: sampled on the device by a launched step, not yet appended to `tokens`.
+    num_inflight: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Pages that prefix caching has already hashed (a prefix of block_ids).
     num_hashed_blocks: int = 0
@@ -75,7 +77,12 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next sample."""
-        return len(self.tokens) - self.num_computed
+        return len(self.tokens) + self.num_inflight - self.num_computed
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its in-flight token is its last one (max_new_tokens): nothing more to schedule."""
+        return self.num_inflight > 0 and len(self.generated) + self.num_inflight >= self.max_new_tokens
 
     def append_token(self, token: int, logprob: float | None) -> None:
         if self.first_token_time is None:

@@ -75,7 +75,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         budget = self.max_batch_tokens
         batch: list[ScheduledRequest] = []
-        decodes = [r for r in self.running if r.num_pending == 1]
+        decodes = [r for r in self.running if r.num_pending == 1 and not r.awaits_last_token]
         prefills = [r for r in self.running if r.num_pending > 1]
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
         scheduled: set[int] = set()
@@ -126,6 +126,9 @@ class Scheduler:
             if self.running and bm.num_free < self.safety_margin * bm.num_blocks:
                 break
             request = self.waiting[i]
+            if request.num_inflight:  # preempted with a token still on the device: next step
+                i += 1
+                continue
             restored = request.num_offloaded_tokens
             if not restored:
                 bm.match_prefix(request)

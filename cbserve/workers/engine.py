@@ -24,6 +24,7 @@ from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
 from cbserve.workers import compilation, packed_linear
+from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import DecodeGraphs, cuda_graph_factory
@@ -137,8 +138,9 @@ class EngineCore:
         ), backends.kernels(self.attention_backend), self._fast_path_width(max_request_tokens_hint))
         self.runner.graphs = self._decode_graphs(max_requests)
         self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
-        if cfg.use_async_batching:
-            logger.warning("use_async_batching is not implemented yet: steps prepare their inputs synchronously")
+        # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
+        self.async_batching = bool(cfg.use_async_batching)
+        self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -328,30 +330,66 @@ class EngineCore:
             self.scheduler.remove(request)
             request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
         self.requests.clear()
+        self._in_flight = None
         return failed
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one forward pass; returns the requests that got a token or finished."""
+        """Run one forward pass; returns the requests that got a token or finished.
+
+        With async batching the tokens returned are those of the previous call's forward pass,
+        read after this call's pass was launched."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.has_work and not self.scheduler.running:
+            updated = self._finish_in_flight()
+            if not updated and self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
-            return []
+            return updated
+        in_flight, self._in_flight = self._in_flight, None
+        sampled_greedy = all(s.request.sampling.greedy for s in batch if s.sample)
+        if not (self.async_batching and sampled_greedy):
+            # Synchronous: earlier tokens first (rows of requests that just stopped are dropped).
+            updated = self._finish(in_flight)
+            batch = [s for s in batch if self._is_live(s.request)]
+            in_flight = None
+            if not batch:
+                return updated
         t1 = time.perf_counter()
-        kwargs, sampled = self.runner.prepare(batch)
+        kwargs, sampled = self.runner.prepare(batch, in_flight)
         t2 = time.perf_counter()
         logits = self.runner.run(kwargs)
         t3 = time.perf_counter()
+        requests = [s.request for s in sampled]
+        if self.async_batching and sampled_greedy:
+            launched = launch_greedy(logits, requests, self.config.return_logprobs)
+            updated = self._finish(in_flight)  # waits for the previous pass only
+            self._advance([s for s in batch if self._is_live(s.request)])
+            for request in requests:
+                request.num_inflight += self._is_live(request)
+            self._in_flight = launched
+        else:
+            self._advance(batch)
+            tokens, logprobs = self.sampler(
+                logits, [r.sampling for r in requests], [r.generator for r in requests],
+                self.config.return_logprobs,
+            ) if requests else ([], None)
+            updated += self._append(requests, tokens, logprobs)
         self.timings["schedule"] += t1 - t0
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
+        return updated
+
+    def _is_live(self, request: Request) -> bool:
+        return self.requests.get(request.request_id) is request
+
+    def _advance(self, batch: list) -> None:
+        """The pass's tokens are in the cache: move the requests on, register and release pages."""
         for s in batch:
             s.request.num_computed += s.num_query_tokens
             if s.request.status == RequestStatus.PREFILLING and s.sample:
@@ -362,13 +400,24 @@ class EngineCore:
             if not s.request.generated:
                 self.prompt_tokens_computed += s.num_query_tokens
         self.num_steps += 1
-        if not sampled:
+
+    def _finish(self, in_flight: InFlightStep | None) -> list[Request]:
+        """Read a launched pass's tokens and update its requests that are still live."""
+        if in_flight is None:
             return []
-        requests = [s.request for s in sampled]
-        tokens, logprobs = self.sampler(
-            logits, [r.sampling for r in requests], [r.generator for r in requests],
-            self.config.return_logprobs,
-        )
+        tokens, logprobs = in_flight.results()
+        live = [i for i, r in enumerate(in_flight.requests) if self._is_live(r)]
+        requests = [in_flight.requests[i] for i in live]
+        for request in requests:
+            request.num_inflight -= 1
+        return self._append(requests, [tokens[i] for i in live],
+                            None if logprobs is None else [logprobs[i] for i in live])
+
+    def _finish_in_flight(self) -> list[Request]:
+        in_flight, self._in_flight = self._in_flight, None
+        return self._finish(in_flight)
+
+    def _append(self, requests: list[Request], tokens: list[int], logprobs: list[float] | None) -> list[Request]:
         for i, request in enumerate(requests):
             request.append_token(tokens[i], logprobs[i] if logprobs is not None else None)
             self.generated_tokens += 1

@@ -7,6 +7,7 @@ import torch
 from cbserve.kernels.backends import KernelBackend
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
 from cbserve.scheduler.scheduler import ScheduledRequest
+from cbserve.workers.async_batching import InFlightStep
 from cbserve.workers.block_table import BlockTables
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import DecodeGraphs
@@ -42,12 +43,14 @@ class ModelRunner:
         positions = torch.arange(start, end)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def prepare(self, batch: list[ScheduledRequest]) -> tuple[dict, list[ScheduledRequest]]:
+    def prepare(self, batch: list[ScheduledRequest], in_flight: InFlightStep | None = None
+                ) -> tuple[dict, list[ScheduledRequest]]:
         """Packed inputs with decode rows first; returns the forward kwargs and the requests
         whose last logits are sampled, in the order of the logits rows.
 
         Host work is O(batch + new tokens): block tables come from `BlockTables` rows that only
-        grow by the pages allocated since the last step.
+        grow by the pages allocated since the last step. With async batching, a decode row whose
+        token the host has not seen yet takes it from `in_flight`'s tokens, on the device.
         """
         decodes = [s for s in batch if is_decode(s)]
         prefills = [s for s in batch if not is_decode(s)]
@@ -60,7 +63,14 @@ class ModelRunner:
         table = self.tables.table([s.request for s in ordered], width)
         lens = torch.tensor(context_lens)
 
-        input_ids: list[int] = [s.request.tokens[s.request.num_computed] for s in decodes]
+        input_ids: list[int] = []
+        device_rows: list[int] = []  # decode rows whose token is still on the device
+        for row, s in enumerate(decodes):
+            req = s.request
+            on_host = req.num_computed < len(req.tokens)
+            input_ids.append(req.tokens[req.num_computed] if on_host else 0)
+            if not on_host:
+                device_rows.append(row)
         positions: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
         sample_rows: list[int] = list(range(len(decodes)))
@@ -109,8 +119,13 @@ class ModelRunner:
             decode_kernel=self.kernels.decode if self.kernels is not None and kernel_inputs is None else None,
             fast_decode=fast,
         )
+        ids = torch.tensor([input_ids], device=self.device)
+        if device_rows:
+            rows = in_flight.rows
+            source = torch.tensor([rows[id(decodes[r].request)] for r in device_rows], device=self.device)
+            ids[0, torch.tensor(device_rows, device=self.device)] = in_flight.tokens[source]
         kwargs = {
-            "input_ids": torch.tensor([input_ids], device=self.device),
+            "input_ids": ids,
             "position_ids": torch.cat(positions)[None].to(self.device),
             "logits_to_keep": torch.tensor(sample_rows or [0], device=self.device),
             "cb_meta": meta,
