@@ -81,9 +81,9 @@ class TPModelRunner(ModelRunner):
         wrapped.groups = groups
         return wrapped
 
-    def prepare(self, batch: list[ScheduledRequest]) -> tuple[dict, list[ScheduledRequest]]:
+    def prepare(self, batch: list[ScheduledRequest], in_flight: None = None) -> tuple[dict, list[ScheduledRequest]]:
         """Build the step's inputs and hand them to every rank, whose forward then runs in
-        lockstep with this one (the all-reduces pair up)."""
+        lockstep with this one (the all-reduces pair up). No async batching (refused by the config)."""
         kwargs, sampled = super().prepare(batch)
         plan = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
         plan["cb_meta"] = dataclasses.replace(kwargs["cb_meta"], k_caches=[], v_caches=[])
