@@ -34,7 +34,7 @@ def config(**overrides) -> cbserve.ContinuousBatchingConfig:
 def test_async_equals_generate(arch: str) -> None:
     model = tiny_model(arch)
     prompts = random_prompts(LENGTHS)
-    requests, engine = run_engine(model, prompts, config(), MAX_NEW, async_on)
+    requests, _engine = run_engine(model, prompts, config(), MAX_NEW, async_on)
     assert_matches_reference(requests, [reference_generate(model, p, MAX_NEW) for p in prompts])
     assert all(r.num_inflight == 0 for r in requests)
 
@@ -143,3 +143,13 @@ def test_steps_with_sampled_requests_run_synchronously_and_match() -> None:
 def test_async_with_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ValueError, match="use_async_batching=True works with tp_size=1 only"):
         cbserve.ContinuousBatchingConfig(use_async_batching=True, tp_size=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the pass really overlaps the host work")
+def test_real_async_batching_on_cuda_equals_generate() -> None:
+    model = tiny_model("llama", dtype=torch.float32)
+    prompts = random_prompts(LENGTHS)
+    refs = [reference_generate(model, p, MAX_NEW) for p in prompts]
+    requests, engine = run_engine(model.cuda(), prompts, config(use_async_batching=True), MAX_NEW)
+    assert engine.async_batching and engine.runner.graphs is not None
+    assert_matches_reference(requests, refs, tol=1e-3)
