@@ -74,17 +74,7 @@ def test_eos_one_step_late_is_dropped_and_frees_everything() -> None:
     prompts = random_prompts([5, 40, 12])
     refs = [reference_generate(model, p, 8) for p in prompts]
     eos = refs[1][0][3]
-    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=eos)
-    engine = EngineCore(model, gc, config())
-    try:
-        async_on(engine)
-        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
+    requests, engine = run_engine(model, prompts, config(), 8, async_on, eos_token_id=eos)
     for (tokens, _), request in zip(refs, requests):
         expected = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
         assert request.generated == expected  # the row computed after EOS left no token

@@ -27,9 +27,10 @@ def reference(arch: str, lengths: tuple[int, ...], max_new: int) -> list[tuple[l
     return [reference_generate(model, p, max_new) for p in random_prompts(list(lengths))]
 
 
-def run_engine(model, prompts, cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW, setup=None):
-    """Greedy, EOS ignored; `setup(engine)` runs before the requests are added."""
-    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+def run_engine(model, prompts, cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW, setup=None,
+               eos_token_id: int | None = None):
+    """Greedy, EOS ignored unless given; `setup(engine)` runs before the requests are added."""
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos_token_id)
     engine = EngineCore(model, gc, cfg)
     try:
         if setup is not None:
