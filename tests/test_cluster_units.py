@@ -196,20 +196,22 @@ def test_closing_the_stream_cancels_the_request(manager: Any, tokenizer: Any, in
 
 
 @pytest.mark.parametrize(
-    ("fields", "needle"),
+    ("fields", "needle", "param"),
     [
-        ({"prompt_ids": [1, 99999]}, "outside the vocabulary"),
-        ({"prompt_ids": [-1, 2]}, "outside the vocabulary"),
-        ({"prompt": "hello", "max_tokens": 100_000}, "max_tokens"),
-        ({"prompt_ids": [5] * 600}, "context"),
+        ({"prompt_ids": [1, 99999]}, "outside the vocabulary", "prompt"),
+        ({"prompt_ids": [-1, 2]}, "outside the vocabulary", "prompt"),
+        ({"prompt": "hello", "max_tokens": 100_000}, "max_tokens", "max_tokens"),
+        ({"prompt_ids": [5] * 600}, "context", "prompt"),
+        ({"messages": [{"role": "user", "content": "hi " * 600}]}, "context", "messages"),
     ],
 )
 def test_run_request_refuses_bad_input(
-    manager: Any, tokenizer: Any, info: ModelInfo, fields: dict[str, Any], needle: str
+    manager: Any, tokenizer: Any, info: ModelInfo, fields: dict[str, Any], needle: str, param: str
 ) -> None:
+    """The error names the API field (OpenAI's `param`) as well as saying why."""
     evs = _run(_events(manager, tokenizer, info, WorkerRequest(request_id="u-bad", **fields)))
     assert [ev.kind for ev in evs] == ["error"]
-    assert evs[0].status == 400 and needle in evs[0].message
+    assert evs[0].status == 400 and needle in evs[0].message and evs[0].param == param
 
 
 # ---- the OpenAI service on a local manager ----------------------------------------------------
@@ -291,7 +293,7 @@ def test_service_chat_stream_equals_non_stream(service: OpenAIService) -> None:
         (CompletionRequest(model="tiny", prompt="hi", logprobs=3), 400, "logprobs"),
         (CompletionRequest(model="tiny", prompt="hi", echo=True), 400, "echo"),
         (CompletionRequest(model="tiny", prompt="hi", presence_penalty=0.5), 400, "presence_penalty"),
-        (CompletionRequest(model="tiny", prompt=[1, 10**6]), 400, None),
+        (CompletionRequest(model="tiny", prompt=[1, 10**6]), 400, "prompt"),
     ],
 )
 def test_service_refuses_bad_requests(service: OpenAIService, req: CompletionRequest, status: int,

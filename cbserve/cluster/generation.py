@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,17 @@ class ModelInfo:
 
 def _error(status: int, message: str, param: str | None = None) -> WorkerEvent:
     return WorkerEvent(kind="error", status=status, message=message, param=param)
+
+
+def field_of(message: str, req: WorkerRequest) -> str | None:
+    """The API field a validation message is about: its messages start with the field's name
+    ("prompt: ...", "max_tokens: ...", "temperature must ..."), the engine's in its own words."""
+    head = re.match(r"[a-z_]+", message)
+    name = head.group(0) if head else ""
+    if name in ("prompt", "input_ids", "messages"):
+        return "messages" if req.messages is not None else "prompt"
+    name = {"max_new_tokens": "max_tokens"}.get(name, name)
+    return name if name in WorkerRequest.model_fields and name != "request_id" else None
 
 
 def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
@@ -111,7 +123,7 @@ async def run_request(
             seed=req.seed,
         )
     except ValueError as exc:
-        yield _error(400, str(exc), getattr(exc, "param", None))
+        yield _error(400, str(exc), getattr(exc, "param", None) or field_of(str(exc), req))
         return
     except RuntimeError as exc:  # the manager is stopping (replica draining or shutting down)
         yield _error(503, f"this worker is not accepting requests: {exc}")
