@@ -1,7 +1,8 @@
 // Paged decode attention for CPUs: one query token per request, K/V read straight from the
 // pages through the block table (no gathered copy), GQA by reading each KV head once for its
-// group of query heads, optional sliding window and soft-capping. Parallel over (request, KV head)
-// on ATen's thread pool. Accumulates in float (double for double tensors).
+// group of query heads, optional sliding window and soft-capping. Parallel over requests (over
+// (request, KV head) pairs when there are few) on ATen's thread pool. Accumulates in float
+// (double for double tensors).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
