@@ -352,8 +352,9 @@ class EngineCore:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
             return updated
         in_flight, self._in_flight = self._in_flight, None
-        sampled_greedy = all(s.request.sampling.greedy for s in batch if s.sample)
-        if not (self.async_batching and sampled_greedy):
+        launch_async = self.async_batching and all(s.request.sampling.greedy for s in batch if s.sample)
+        updated: list[Request] = []
+        if in_flight is not None and not launch_async:
             # Synchronous: earlier tokens first (rows of requests that just stopped are dropped).
             updated = self._finish(in_flight)
             batch = [s for s in batch if self._is_live(s.request)]
@@ -366,7 +367,7 @@ class EngineCore:
         logits = self.runner.run(kwargs)
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
-        if self.async_batching and sampled_greedy:
+        if launch_async:
             launched = launch_greedy(logits, requests, self.config.return_logprobs)
             updated = self._finish(in_flight)  # waits for the previous pass only
             self._advance([s for s in batch if self._is_live(s.request)])
