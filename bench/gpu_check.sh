@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for a CUDA machine (none exists where this was written; it has never run on one).
 #   1. the kernel tests compiled for the GPU (no Triton interpreter),
-#   2. the engine on the triton and flash backends with real decode CUDA graphs vs generate()
+#   2. the engine on the triton and flash backends with real decode and varlen CUDA graphs vs generate()
 #      (tests/test_backends.py), async batching on a real stream (tests/test_async_batching.py),
 #      then the test suite without the Ray tests,
 #   3. the throughput benchmark on every workload, on a random-weight model of Qwen3-0.6B's shape

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve.workers import async_batching
 from cbserve.workers.engine import EngineCore
+from cbserve.workers.input_staging import InputStaging
 from tests.test_exactness import assert_matches_reference, run_engine
 from tests.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -37,6 +38,48 @@ def test_async_equals_generate(arch: str) -> None:
     requests, _engine = run_engine(model, prompts, config(), MAX_NEW, async_on)
     assert_matches_reference(requests, [reference_generate(model, p, MAX_NEW) for p in prompts])
     assert all(r.num_inflight == 0 for r in requests)
+
+
+class RecordingEvent:
+    """Stands in for torch.cuda.Event: logs when a staging buffer's copy is recorded and awaited."""
+
+    log: list[tuple[str, int]] = []
+
+    def record(self) -> None:
+        self.log.append(("record", id(self)))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", id(self)))
+
+
+def staged(engine) -> None:
+    """Inputs through double-buffered staging (CUDA's path), unpinned on a CPU."""
+    engine.runner.staging = InputStaging(engine.device, pin=False, event_factory=RecordingEvent)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_async_with_staged_inputs_equals_generate(backend: str) -> None:
+    model = tiny_model("qwen3")
+    prompts = random_prompts(LENGTHS)
+    requests, engine = run_engine(model, prompts, config(attention_backend=backend), MAX_NEW,
+                                  lambda e: (async_on(e), staged(e)))
+    assert_matches_reference(requests, [reference_generate(model, p, MAX_NEW) for p in prompts])
+    assert engine.runner.staging.buffers[1].numel() > 0  # both buffers were used
+
+
+def test_staging_alternates_buffers_and_waits_for_each_buffers_last_copy() -> None:
+    RecordingEvent.log = []
+    staging = InputStaging(torch.device("cpu"), pin=False, event_factory=RecordingEvent)
+    first, second = staging.events
+    a = staging.send([torch.arange(5), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)])
+    b = staging.send([torch.arange(3) + 10])
+    c = staging.send([torch.arange(40)])  # buffer 0 again, grown
+    assert RecordingEvent.log == [("wait", id(first)), ("record", id(first)), ("wait", id(second)),
+                                  ("record", id(second)), ("wait", id(first)), ("record", id(first))]
+    assert a[0].tolist() == list(range(5)) and a[1].dtype == torch.int32 and a[1].tolist() == [[1, 2], [3, 4]]
+    assert b[0].tolist() == [10, 11, 12] and c[0].tolist() == list(range(40))
+    assert staging.buffers[0].numel() >= 40 and staging.buffers[1].numel() == 3
+    assert a[0].data_ptr() != staging.buffers[0].data_ptr()  # results never alias a staging buffer
 
 
 def test_async_under_preemption_and_chunked_prefill() -> None:
@@ -140,6 +183,7 @@ def test_real_async_batching_on_cuda_equals_generate() -> None:
     model = tiny_model("llama", dtype=torch.float32)
     prompts = random_prompts(LENGTHS)
     refs = [reference_generate(model, p, MAX_NEW) for p in prompts]
-    requests, engine = run_engine(model.cuda(), prompts, config(use_async_batching=True), MAX_NEW)
-    assert engine.async_batching and engine.runner.graphs is not None
+    cfg = config(use_async_batching=True, use_cuda_graph=True, max_blocks_per_request=16)
+    requests, engine = run_engine(model.cuda(), prompts, cfg, MAX_NEW)
+    assert engine.async_batching and engine.runner.graphs is not None and engine.runner.staging is not None
     assert_matches_reference(requests, refs, tol=1e-3)

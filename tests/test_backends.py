@@ -12,12 +12,15 @@ import os
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_attention defines its kernels
 
 import cbserve
+import cbserve.workers.engine
 from cbserve.kernels import backends, cpu_kernels
+from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs
 from cbserve.kernels import triton_attention as tri
 from cbserve.workers import cuda_graphs
 from cbserve.workers.block_table import BlockTables
@@ -214,7 +217,23 @@ def test_block_table_rows_grow_by_appends_and_rebuild_when_pages_are_replaced() 
     assert tables.row(req, 2).tolist() == [3, 0]
 
 
-# -- decode CUDA graphs (buffer and padding logic, on the CPU) ---------------------------------
+# -- CUDA graphs (buffer and padding logic, on the CPU) ----------------------------------------
+
+
+def step_graphs(captured: list, *, decode: bool, varlen: bool, q: int = 0, kv: int = 0, max_requests: int = 8):
+    """Builds StepGraphs for an engine with the eager stand-in; `captured` gets each new shape."""
+    def make(engine):
+        def factory(fn):
+            captured.append(1)
+            return cuda_graphs.eager_graph_factory(fn)
+
+        return cuda_graphs.StepGraphs(
+            engine.runner.forward, max_requests=max_requests, max_tokens=engine.max_batch_tokens,
+            decode_width=engine.runner.max_blocks_per_request, page_size=engine.cache.page_size,
+            q_padding_interval=q, kv_padding_interval=kv, decode=decode, varlen=varlen, device=engine.device,
+            graph_factory=factory)
+
+    return make
 
 
 @pytest.mark.parametrize("interval", [0, 3])
@@ -222,29 +241,82 @@ def test_decode_graphs_replay_static_buffers_exactly(interval: int) -> None:
     model = tiny_model("qwen3")
     prompts = random_prompts([2, 5, 17, 33, 40])
     captured: list[int] = []
-
-    def graphs(engine):
-        def factory(fn):
-            captured.append(1)
-            return cuda_graphs.eager_graph_factory(fn)
-
-        return cuda_graphs.DecodeGraphs(lambda kw: engine.runner.forward(kw, decode_only=True), 8,
-                                        engine.runner.max_blocks_per_request, interval, engine.device, factory)
-
-    requests, engine = run(model, prompts, max_new=10, graphs=graphs, attention_backend="reference",
-                           max_blocks_per_request=4)
+    requests, engine = run(model, prompts, max_new=10, attention_backend="reference", max_blocks_per_request=4,
+                           graphs=step_graphs(captured, decode=True, varlen=False, q=interval))
     assert_same(requests, reference(model, prompts, 10))
-    sizes = set(engine.runner.graphs._graphs)
-    assert sizes, "no decode step went through the graphs"
+    shapes = set(engine.runner.graphs._graphs)
+    assert shapes, "no decode step went through the graphs"
+    assert all(s.decode and s.tokens == s.requests and s.width == 4 for s in shapes)
     allowed = {3, 6, 8} if interval else {1, 2, 4, 8}  # buckets, capped at 8 requests
-    assert sizes <= allowed
-    assert len(captured) == len(sizes)  # each bucket captured once, then replayed
+    assert {s.requests for s in shapes} <= allowed
+    assert len(captured) == len(shapes)  # each bucket captured once, then replayed
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("arch,q,kv", [("qwen3", 0, 0), ("llama", 24, 40), ("gpt2", 0, 100)])
+def test_varlen_graphs_of_padded_shapes_equal_generate(arch: str, q: int, kv: int) -> None:
+    """Prefill and mixed steps replay padded shapes: padding tokens and request rows change nothing."""
+    model = tiny_model(arch)
+    prompts = random_prompts([1, 9, 40, 70, 23, 5])
+    captured: list[int] = []
+    requests, engine = run(model, prompts, max_new=8, attention_backend="reference", max_blocks_per_request=8,
+                           graphs=step_graphs(captured, decode=True, varlen=True, q=q, kv=kv))
+    assert_same(requests, reference(model, prompts, 8))
+    varlen = [s for s in engine.runner.graphs._graphs if not s.decode]
+    assert varlen, "no varlen step went through the graphs"
+    for s in varlen:
+        assert s.tokens % q == 0 if q else s.tokens & (s.tokens - 1) == 0
+        assert (s.width * 16) % kv < 16 if kv else s.width & (s.width - 1) == 0
+        assert s.requests == min(s.tokens, 9)
+    assert len(captured) == len(engine.runner.graphs._graphs)
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+def test_varlen_graphs_with_sliding_windows_and_no_decode_fast_path() -> None:
+    model = tiny_model("mistral", sliding_window=8)
+    prompts = random_prompts([3, 30, 50])
+    captured: list[int] = []
+    requests, engine = run(model, prompts, attention_backend="reference",
+                           graphs=step_graphs(captured, decode=False, varlen=True))
+    assert engine.runner.max_blocks_per_request == 0
+    assert_same(requests, reference(model, prompts))
+    assert captured and not any(s.decode for s in engine.runner.graphs._graphs)
+
+
+def test_graph_shapes_buckets_and_limits(monkeypatch) -> None:
+    """Which steps get which padded shape, and which run eagerly."""
+    model = tiny_model("llama")
+    engine = cbserve.workers.engine.EngineCore(model, GenerationConfig(max_new_tokens=4), cbserve.ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, max_batch_tokens=256, attention_backend="reference", max_blocks_per_request=4))
+    try:
+        graphs = step_graphs([], decode=True, varlen=True, q=0, kv=0, max_requests=8)(engine)
+        kernels = engine.runner.kernels
+
+        def meta(lens: list[int], q_lens: list[int], width: int, fast: bool = False):
+            ki = KernelInputs(kernels, torch.zeros(len(lens), width, dtype=torch.int64), torch.tensor(lens),
+                              torch.tensor([0, *q_lens]).cumsum(0), decode_only=fast)
+            return AttentionMetadata([], [], torch.zeros(sum(q_lens)), 16, len(lens) if fast else 0, None, None, [],
+                                     ki, fast_decode=fast)
+
+        S = cuda_graphs.Shape
+        assert graphs.shape_of(meta([5, 9, 20], [1, 1, 1], 4, fast=True), 3) == S(True, 4, 4, 4)
+        assert graphs.shape_of(meta([5] * 9, [1] * 9, 4, fast=True), 9) is None  # more than max_requests
+        assert graphs.shape_of(meta([40, 3], [30, 3], 3), 33) == S(False, 64, 9, 4)
+        assert graphs.shape_of(meta([40, 3], [2, 3], 3), 5) == S(False, 8, 8, 4)
+        graphs.kv_padding_interval, graphs.q_padding_interval = 100, 24
+        assert graphs.shape_of(meta([40, 3], [30, 3], 3), 33) == S(False, 48, 9, 7)  # 100 tokens -> 7 pages
+        assert graphs.shape_of(meta([400], [300], 25), 300) is None  # past the varlen token limit
+        monkeypatch.setattr(cuda_graphs, "MAX_VARLEN_GRAPHS", 0)
+        kwargs = {"input_ids": torch.zeros(1, 5, dtype=torch.int64), "cb_meta": meta([40, 3], [2, 3], 3)}
+        assert graphs.run(kwargs) is None  # no room for another varlen shape: eager
+    finally:
+        engine.release_model()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh runs it)")
 @pytest.mark.parametrize("backend", ["triton", "flash"])
-def test_cuda_backends_with_real_graphs_equal_generate(backend: str) -> None:
+@pytest.mark.parametrize("graphs", [(False, True), (True, True)], ids=["decode", "decode+varlen"])
+def test_cuda_backends_with_real_graphs_equal_generate(backend: str, graphs: tuple[bool, bool]) -> None:
     from cbserve.kernels import flash_attn_adapter as fa
 
     if backend == "flash" and fa.flash_unavailable_reason():
@@ -252,9 +324,10 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str) -> None:
     model = tiny_model("qwen3", dtype=torch.float32).cuda()
     prompts = random_prompts([1, 9, 40, 70, 120])
     cfg = cbserve.ContinuousBatchingConfig(page_size=256, num_blocks=16, max_batch_tokens=256, return_logprobs=True,
-                                           attention_backend=backend, use_cuda_graph=(False, True),
-                                           max_blocks_per_request=2)
+                                           attention_backend=backend, use_cuda_graph=graphs,
+                                           q_padding_interval_size=32 if graphs[0] else 0, max_blocks_per_request=2)
     requests, engine = run_engine(model, prompts, cfg, 8)
-    assert engine.runner.graphs is not None and engine.runner.graphs._graphs
+    shapes = engine.runner.graphs._graphs
+    assert any(s.decode for s in shapes) and any(not s.decode for s in shapes) == graphs[0]
     assert_same(requests, reference(model, prompts, 8), tol=1e-3)
 

@@ -250,6 +250,28 @@ def test_triton_varlen_matches_reference(case: tuple) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("window", [None, 8])
+def test_varlen_kernels_on_a_cuda_graph_padded_batch(window: int | None) -> None:
+    """A padded varlen graph shape: real requests, then one request with no context that owns the
+    padding tokens, then empty request rows. Real rows are unchanged, padding rows are zeros."""
+    batch = make_batch(MIXED, 16, 2, 2, 32, torch.float32, seed=3, window=window)
+    pad_tokens, empty_rows = 5, 3
+    t = batch.q.shape[0]
+    q = torch.cat([batch.q, torch.randn(pad_tokens, *batch.q.shape[1:], device=DEVICE)])
+    cu = torch.cat([batch.cu_seqlens_q, torch.full((1 + empty_rows,), t + pad_tokens, dtype=torch.int32,
+                                                   device=DEVICE)])
+    tables = torch.cat([batch.block_tables, torch.zeros(1 + empty_rows, batch.block_tables.shape[1],
+                                                        dtype=batch.block_tables.dtype, device=DEVICE)])
+    lens = torch.cat([batch.context_lens, torch.zeros(1 + empty_rows, dtype=torch.int32, device=DEVICE)])
+    want = ref.varlen_paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q,
+                                      batch.block_tables, batch.context_lens, 0.25, window)
+    for kernel in (ref.varlen_paged_attention, tri.varlen_paged_attention):
+        got = kernel(q, batch.k_cache, batch.v_cache, cu, tables, lens, 0.25, window)
+        torch.testing.assert_close(got[:t], want, **_tol(torch.float32))
+        assert got[t:].abs().max() == 0, f"{kernel.__module__}: padding rows attend to something"
+
+
+@needs_triton
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_triton_decode_matches_reference(case: tuple) -> None:
     page, kvh, group, d, window, softcap, dtype = case

@@ -27,7 +27,7 @@ from cbserve.workers import compilation, packed_linear
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.block_manager import BlockManager
 from cbserve.workers.compilation import CompiledForward
-from cbserve.workers.cuda_graphs import DecodeGraphs, cuda_graph_factory
+from cbserve.workers.cuda_graphs import StepGraphs, cuda_graph_factory
 from cbserve.workers.kv_cache import PagedKVCache, available_memory_bytes
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.offload import HostOffloadPool, host_pool_blocks
@@ -136,7 +136,7 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
         ), backends.kernels(self.attention_backend), self._fast_path_width(max_request_tokens_hint))
-        self.runner.graphs = self._decode_graphs(max_requests)
+        self.runner.graphs = self._step_graphs(max_requests)
         self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
         # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
         self.async_batching = bool(cfg.use_async_batching)
@@ -182,31 +182,34 @@ class EngineCore:
             return 0
         return width
 
-    def _decode_graphs(self, max_requests: int) -> DecodeGraphs | None:
-        """Decode CUDA graphs when `use_cuda_graph` asks for them (None: on CUDA when possible)."""
+    def _step_graphs(self, max_requests: int) -> StepGraphs | None:
+        """CUDA graphs as `use_cuda_graph` asks: (varlen, decode), or one bool for both. None
+        means decode graphs on CUDA when possible and no varlen graphs (opt-in)."""
         cfg, runner = self.config, self.runner
         wanted = cfg.use_cuda_graph
         varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
         # Graphs replay the kernels' block-table path; the sdpa/cpu paths hold host control flow.
         full_kernels = runner.kernels is not None and runner.kernels.varlen is not None
-        possible = full_kernels and runner.max_blocks_per_request > 0
         if decode is None:
-            decode = self.device.type == "cuda" and possible
-        if varlen:
-            logger.warning("CUDA graphs of varlen (prefill) batches are not implemented: only decode steps are captured")
-        if not decode:
+            decode = self.device.type == "cuda" and full_kernels and runner.max_blocks_per_request > 0
+        if not (decode or varlen):
             return None
         if not full_kernels:
             raise ValueError("use_cuda_graph needs a kernel attention backend (triton or flash), "
                              f"got {self.attention_backend!r}")
-        if runner.max_blocks_per_request == 0:
-            raise ValueError("use_cuda_graph needs the decode fast path: max_blocks_per_request must be > 0 "
-                             "(it is forced to 0 for sliding-window models)")
-        logger.info("decode CUDA graphs on: up to %d requests, block tables of %d pages", max_requests,
-                    runner.max_blocks_per_request)
-        return DecodeGraphs(lambda kwargs: runner.forward(kwargs, decode_only=True), max_requests,
-                            runner.max_blocks_per_request, cfg.q_padding_interval_size, self.device,
-                            cuda_graph_factory(self.device))
+        if decode and runner.max_blocks_per_request == 0:
+            raise ValueError("use_cuda_graph for decode steps needs the decode fast path: max_blocks_per_request "
+                             "must be > 0 (it is forced to 0 for sliding-window models); use_cuda_graph=(True, False) "
+                             "captures varlen steps only")
+        graphs = StepGraphs(
+            runner.forward, max_requests=max_requests, max_tokens=self.max_batch_tokens,
+            decode_width=runner.max_blocks_per_request, page_size=self.cache.page_size,
+            q_padding_interval=cfg.q_padding_interval_size, kv_padding_interval=cfg.kv_padding_interval_size,
+            decode=bool(decode), varlen=bool(varlen), device=self.device, graph_factory=cuda_graph_factory(self.device),
+        )
+        logger.info("CUDA graphs on: decode %s (up to %d requests, %d pages each), varlen %s (up to %d tokens)",
+                    bool(decode), max_requests, runner.max_blocks_per_request, bool(varlen), graphs.max_varlen_tokens)
+        return graphs
 
     def _should_pack_weights(self) -> bool:
         """Whether linear weights get packed for oneDNN (`prepack_weights`, CPU only)."""

@@ -10,7 +10,8 @@ from cbserve.scheduler.scheduler import ScheduledRequest
 from cbserve.workers.async_batching import InFlightStep
 from cbserve.workers.block_table import BlockTables
 from cbserve.workers.compilation import CompiledForward
-from cbserve.workers.cuda_graphs import DecodeGraphs
+from cbserve.workers.cuda_graphs import StepGraphs
+from cbserve.workers.input_staging import InputStaging
 from cbserve.workers.kv_cache import PagedKVCache
 
 
@@ -36,7 +37,9 @@ class ModelRunner:
         self.kernels = kernels
         self.max_blocks_per_request = max_blocks_per_request
         self.tables = BlockTables(max_blocks_per_request or 32)
-        self.graphs: DecodeGraphs | None = None  # set by the engine when CUDA graphs are on
+        self.graphs: StepGraphs | None = None  # set by the engine when CUDA graphs are on
+        # Pinned double-buffered copies on CUDA; on a CPU, .to() is a no-op.
+        self.staging = InputStaging(self.device) if self.device.type == "cuda" else None
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end) of a request whose block ids are `table`."""
@@ -96,20 +99,31 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sampled.append(s)
 
-        kernel_inputs = None
-        if self.kernels is not None and self.kernels.varlen is not None:
-            q_lens = torch.tensor([s.num_query_tokens for s in ordered])
+        # Every integer input goes to the device in one call (one staged copy on CUDA).
+        full_kernels = self.kernels is not None and self.kernels.varlen is not None
+        host = [torch.tensor(input_ids), torch.cat(positions), torch.cat(slot_parts), torch.tensor(sample_rows or [0])]
+        if full_kernels:
             cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
-            torch.cumsum(q_lens, 0, out=cu_seqlens_q[1:])
+            torch.cumsum(torch.tensor([s.num_query_tokens for s in ordered]), 0, out=cu_seqlens_q[1:])
+            host += [table, lens.to(torch.int32), cu_seqlens_q]
+        if device_rows:
+            rows = in_flight.rows
+            host += [torch.tensor(device_rows), torch.tensor([rows[id(decodes[r].request)] for r in device_rows])]
+        ids, position_ids, slot_mapping, logits_to_keep, *rest = self._to_device(host)
+        kernel_inputs = None
+        if full_kernels:
+            block_tables, kv_lens, cu_seqlens, *rest = rest
             kernel_inputs = KernelInputs(
-                self.kernels, table.to(self.device), lens.to(torch.int32).to(self.device),
-                cu_seqlens_q.to(self.device), decode_only=not prefills,
+                self.kernels, block_tables, kv_lens, cu_seqlens, decode_only=not prefills,
                 max_seqlen_q=max(s.num_query_tokens for s in ordered), max_seqlen_k=max(context_lens),
             )
+        if device_rows:  # async batching: those tokens come from the launched step, on the device
+            rows_on_device, sources = rest
+            ids[rows_on_device] = in_flight.tokens[sources]
         meta = AttentionMetadata(
             k_caches=self.cache.k,
             v_caches=self.cache.v,
-            slot_mapping=torch.cat(slot_parts).to(self.device),
+            slot_mapping=slot_mapping,
             page_size=self.page_size,
             num_decodes=nd,
             decode_block_table=table[:nd] if nd else None,
@@ -119,24 +133,26 @@ class ModelRunner:
             decode_kernel=self.kernels.decode if self.kernels is not None and kernel_inputs is None else None,
             fast_decode=fast,
         )
-        ids = torch.tensor([input_ids], device=self.device)
-        if device_rows:
-            rows = in_flight.rows
-            source = torch.tensor([rows[id(decodes[r].request)] for r in device_rows], device=self.device)
-            ids[0, torch.tensor(device_rows, device=self.device)] = in_flight.tokens[source]
         kwargs = {
-            "input_ids": ids,
-            "position_ids": torch.cat(positions)[None].to(self.device),
-            "logits_to_keep": torch.tensor(sample_rows or [0], device=self.device),
+            "input_ids": ids[None],
+            "position_ids": position_ids[None],
+            "logits_to_keep": logits_to_keep,
             "cb_meta": meta,
             "use_cache": False,
         }
         return kwargs, sampled
 
+    def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.staging is not None:
+            return self.staging.send(parts)
+        return [p.to(self.device) for p in parts]
+
     @torch.inference_mode()
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
         meta = kwargs["cb_meta"]
-        if self.graphs is not None and self.graphs.accepts(meta):
-            return self.graphs.run(kwargs).float()
+        if self.graphs is not None:
+            logits = self.graphs.run(kwargs)
+            if logits is not None:
+                return logits.float()
         return self.forward(kwargs, decode_only=not meta.prefills).float()
