@@ -244,7 +244,8 @@ def _best_time(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -
 
 def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str, float]:
     """Best time of `F.linear` over every weight matrix (all layers' projections and lm_head), and on a
-    CPU the same with oneDNN-packed weights, which cbserve's engine uses there (`prepack_weights`)."""
+    CPU the same with packed weights and the kernel cbserve's engine uses there (`prepack_weights`:
+    the C++ panel kernel, else oneDNN)."""
     from cbserve.workers import packed_linear
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -252,10 +253,11 @@ def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str
     sync = torch.cuda.synchronize if weights[0].is_cuda else (lambda: None)
     with torch.inference_mode():
         best = _best_time(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], sync, repeats)
-        packed_best = None
+        packed_best, packed_kind = None, None
         if not packed_linear.unavailable_reason(weights[0].device, weights[0].dtype):
             packed = [packed_linear.PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
             packed_best = _best_time(lambda: [p(inputs[p.in_features]) for p in packed], sync, repeats)
+            packed_kind = packed[0].kind
             del packed
     flops = sum(2 * tokens * w.numel() for w in weights)
     return {
@@ -264,6 +266,7 @@ def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str
         "gflops": flops / best / 1e9,
         "tokens_per_s_ceiling": tokens / best,
         "packed_seconds": packed_best,
+        "packed_kernel": packed_kind,
     }
 
 
@@ -455,7 +458,7 @@ def report(runs: list[Run], checks: list[dict], roof: dict[str, float] | None) -
         )
         packed = roof.get("packed_seconds")
         if packed:
-            print(f"  the same with oneDNN-packed weights (cbserve's CPU GEMMs): {packed * 1e3:.1f} ms, "
+            print(f"  the same with packed weights ({roof['packed_kernel']} kernel, cbserve's CPU GEMMs): {packed * 1e3:.1f} ms, "
                   f"ceiling {ROOFLINE_TOKENS / packed:.0f} tok/s")
         if ("decode", "cbserve") in rate:
             share = rate[("decode", "cbserve")] / roof["tokens_per_s_ceiling"]

@@ -40,16 +40,17 @@ def test_async_equals_generate(arch: str) -> None:
     assert all(r.num_inflight == 0 for r in requests)
 
 
+EVENT_LOG: list[tuple[str, int]] = []
+
+
 class RecordingEvent:
     """Stands in for torch.cuda.Event: logs when a staging buffer's copy is recorded and awaited."""
 
-    log: list[tuple[str, int]] = []
-
     def record(self) -> None:
-        self.log.append(("record", id(self)))
+        EVENT_LOG.append(("record", id(self)))
 
     def synchronize(self) -> None:
-        self.log.append(("wait", id(self)))
+        EVENT_LOG.append(("wait", id(self)))
 
 
 def staged(engine) -> None:
@@ -68,13 +69,13 @@ def test_async_with_staged_inputs_equals_generate(backend: str) -> None:
 
 
 def test_staging_alternates_buffers_and_waits_for_each_buffers_last_copy() -> None:
-    RecordingEvent.log = []
+    EVENT_LOG.clear()
     staging = InputStaging(torch.device("cpu"), pin=False, event_factory=RecordingEvent)
     first, second = staging.events
     a = staging.send([torch.arange(5), torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)])
     b = staging.send([torch.arange(3) + 10])
     c = staging.send([torch.arange(40)])  # buffer 0 again, grown
-    assert RecordingEvent.log == [("wait", id(first)), ("record", id(first)), ("wait", id(second)),
+    assert EVENT_LOG == [("wait", id(first)), ("record", id(first)), ("wait", id(second)),
                                   ("record", id(second)), ("wait", id(first)), ("record", id(first))]
     assert a[0].tolist() == list(range(5)) and a[1].dtype == torch.int32 and a[1].tolist() == [[1, 2], [3, 4]]
     assert b[0].tolist() == [10, 11, 12] and c[0].tolist() == list(range(40))

@@ -1,5 +1,6 @@
-"""oneDNN-packed linear weights on a CPU: same greedy tokens and logprobs as `generate()`, the
-model's own modules back afterwards, and clear errors where packing cannot be used."""
+"""Packed linear weights on a CPU (the C++ panel kernel, else oneDNN): same greedy tokens and
+logprobs as `generate()`, the model's own modules back afterwards, and clear errors where
+packing cannot be used."""
 
 from __future__ import annotations
 
@@ -54,13 +55,35 @@ def test_the_comparison_catches_a_wrong_packed_weight(monkeypatch) -> None:
         assert_matches_reference(requests, refs, tol=1e-4)
 
 
-def test_packed_linear_matches_f_linear() -> None:
+KINDS = ["cbserve", "onednn"] if packed_linear.kernel() == "cbserve" else ["onednn"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("in_features,out_features,bias", [(48, 40, True), (33, 49, False), (576, 192, True),
+                                                           (7, 3, True)])
+def test_packed_linear_matches_f_linear(kind: str, in_features: int, out_features: int, bias: bool) -> None:
+    """Row counts around the kernel's 6-row tiles, column counts around its 16-column panels."""
     gen = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(48, 40, bias=True)
-    for x in (torch.randn(5, 48, generator=gen), torch.randn(1, 7, 48, generator=gen),
-              torch.randn(48, 3, generator=gen).t(), torch.randn(0, 48)):
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    packed = packed_linear.PackedLinear(linear, kind)
+    inputs = [torch.randn(rows, in_features, generator=gen) for rows in (*range(1, 14), 64, 131)]
+    inputs += [torch.randn(1, 7, in_features, generator=gen), torch.randn(in_features, 3, generator=gen).t(),
+               torch.randn(0, in_features)]
+    for x in inputs:
         with torch.inference_mode():
-            torch.testing.assert_close(packed_linear.PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5, msg=f"{tuple(x.shape)}")
+
+
+def test_the_kernel_falls_back_to_onednn_without_the_cpp_kernels(monkeypatch) -> None:
+    from cbserve.kernels import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler")
+    packed_linear.kernel.cache_clear()
+    try:
+        assert packed_linear.kernel() == "onednn"
+        assert packed_linear.PackedLinear(torch.nn.Linear(8, 4)).kind == "onednn"
+    finally:
+        packed_linear.kernel.cache_clear()
 
 
 def test_hooked_and_subclassed_linears_are_not_packed() -> None:

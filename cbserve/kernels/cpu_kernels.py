@@ -1,4 +1,6 @@
-"""The C++ paged decode attention for CPUs (`csrc/paged_decode_cpu.cpp`), built on first use.
+"""The C++ kernels for CPUs, built on first use: paged decode attention
+(`csrc/paged_decode_cpu.cpp`) and float32 linear layers on panel-packed weights
+(`csrc/linear_cpu.cpp`, AVX2 + FMA; used by `workers/packed_linear.py`).
 
 Decode rows read K/V straight from the pages through the block table, a request's whole token
 rows at a time (sequential memory reads), instead of gathering a padded copy for SDPA: 2.4-3.3x
@@ -6,7 +8,7 @@ faster than gather + SDPA at 128 requests with 20-1000 cached tokens on a 2-core
 the machine's memory bandwidth. Same signature and semantics as
 `reference.paged_decode_attention`.
 
-The extension is compiled once per machine with `torch.utils.cpp_extension` (~12 s; needs a C++
+The extension is compiled once per machine with `torch.utils.cpp_extension` (~25 s; needs a C++
 compiler and ninja) and cached under `$TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions).
 When it cannot be built, `unavailable_reason()` says why and the engine falls back to SDPA.
 """
@@ -23,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "linear_cpu.cpp")]
 EXTENSION_NAME = "cbserve_cpu_kernels"
 
 
@@ -40,15 +42,15 @@ def unavailable_reason() -> str:
     try:
         cpp_extension.load(
             name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             # -march=native: the build is cached per machine; OpenMP: ATen's parallel_for.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - a compiler error must not take the engine down: SDPA works
-        return f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc)[-500:]}"
-    logger.info("CPU paged decode kernel loaded (%s)", SOURCE.name)
+        return f"building the CPU kernels failed: {type(exc).__name__}: {str(exc)[-500:]}"
+    logger.info("CPU kernels loaded (%s)", ", ".join(p.name for p in SOURCES))
     return ""
 
 

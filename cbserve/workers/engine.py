@@ -140,6 +140,9 @@ class EngineCore:
         self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
         # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
         self.async_batching = bool(cfg.use_async_batching)
+        if self.async_batching and self.runner.graphs is None:
+            logger.warning("use_async_batching without CUDA graphs: every kernel launch stays on the host "
+                           "thread, so little of the next step's preparation overlaps this one")
         self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, Request] = {}

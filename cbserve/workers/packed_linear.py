@@ -1,10 +1,16 @@
-"""Linear layers with oneDNN-packed weights, for CPUs.
+"""Linear layers with weights packed once for the CPU's matrix kernels.
 
 `F.linear` on a CPU calls MKL's sgemm, which re-packs the weight matrix on every call: at the
-small row counts of decode steps that packing costs as much as the multiplication. oneDNN's
-`_linear_pointwise` on a weight reordered once into its blocked layout avoids it. Measured on
-the default model (all 211 weight matrices, 2-core EPYC, float32): 1.6x faster at 8 rows,
-1.4-1.8x at 32, 1.2-1.4x at 128, 1.2x at 2048 rows.
+small row counts of decode steps that packing costs as much as the multiplication. Two packed
+kernels avoid it, chosen once per engine:
+
+- ``cbserve``: the C++ kernel of `kernels/csrc/linear_cpu.cpp` (AVX2 + FMA) on weights packed
+  into 16-column panels. All 211 matrices of the default model (2-core EPYC, float32) vs
+  oneDNN's packed weights: 2.2x faster at 1 row, 1.6x at 8, 1.3-1.5x at 16-64, 1.0-1.2x at
+  128-2048 rows; at 1-8 rows it reads the weights at close to the memory bandwidth.
+- ``onednn``: `torch.ops.mkldnn._linear_pointwise` on a weight reordered once (1.6x faster than
+  `F.linear` at 8 rows, 1.2-1.4x at 128), where the C++ kernels cannot be built or the CPU has
+  no AVX2.
 
 The packed weight is a second copy (the model keeps its own, untouched, for after the engine):
 weights take twice their memory while an engine runs. `prepack_weights=False` turns it off.
@@ -12,6 +18,7 @@ weights take twice their memory while an engine runs. `prepack_weights=False` tu
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -21,31 +28,54 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32,)
 
 
+@functools.cache
+def kernel() -> str:
+    """``cbserve`` when the C++ linear kernel runs here, else ``onednn``."""
+    from cbserve.kernels import cpu_kernels
+
+    reason = cpu_kernels.unavailable_reason()
+    if not reason and not torch.ops.cbserve_cpu.linear_available():
+        reason = "the CPU has no AVX2 + FMA"
+    if reason:
+        logger.info("linear weights packed for oneDNN (the C++ linear kernel is not used: %s)", reason)
+        return "onednn"
+    return "cbserve"
+
+
 class PackedLinear(torch.nn.Module):
     """Stands in for an `nn.Linear` while the engine runs; `original` is put back afterwards."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, kind: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.kind = kind or kernel()
+        if self.kind == "cbserve" and kernel() != "cbserve":  # kernel() also loads the extension
+            raise ValueError("the C++ linear kernel is unavailable here (see the log); use kind='onednn'")
+        weight = linear.weight.detach()
+        if self.kind == "cbserve":
+            self.packed = torch.ops.cbserve_cpu.pack_linear_weight(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.original = [linear]  # a list: not a submodule, so its weight is not counted twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "cbserve":
+            return torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {self.kind}"
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str:
     """'' when the weights can be packed, else why not."""
     if device.type != "cpu":
         return f"weights are packed for CPUs only, the model is on {device.type}"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
     if dtype not in PACKABLE_DTYPES:
         return f"packing supports {[str(d) for d in PACKABLE_DTYPES]}, the model is {dtype}"
+    if kernel() == "onednn" and not torch.backends.mkldnn.is_available():
+        return "the C++ linear kernel is unavailable and this torch build has no oneDNN (mkldnn)"
     return ""
 
 
@@ -60,7 +90,7 @@ def pack_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
             if type(child) is torch.nn.Linear and not hooked:
                 setattr(parent, name, PackedLinear(child))
                 swapped.append((parent, name))
-    logger.info("packed %d linear layers' weights for oneDNN", len(swapped))
+    logger.info("packed %d linear layers' weights (%s kernel)", len(swapped), kernel())
     return swapped
 
 
