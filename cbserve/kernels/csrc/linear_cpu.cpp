@@ -60,16 +60,22 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
     a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);            \
     a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);            \
   }
-#define CB_STORE(r)                                                          \
-  if constexpr (R > r) {                                                     \
-    _mm256_store_ps(buf, a##r##0);                                           \
-    _mm256_store_ps(buf + 8, a##r##1);                                       \
-    float* out = y + r * ldy;                                                \
-    if (first) {                                                             \
-      for (int64_t j = 0; j < cols; ++j) out[j] = buf[j] + (bias ? bias[j] : 0.f); \
-    } else {                                                                 \
-      for (int64_t j = 0; j < cols; ++j) out[j] += buf[j];                   \
-    }                                                                        \
+#define CB_STORE(r)                                                  \
+  if constexpr (R > r) {                                             \
+    float* out = y + r * ldy;                                        \
+    if (cols == NR) {                                                \
+      if (first) {                                                   \
+        _mm256_storeu_ps(out, _mm256_add_ps(a##r##0, b0));           \
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(a##r##1, b1));       \
+      } else {                                                       \
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a##r##0));         \
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), a##r##1)); \
+      }                                                              \
+    } else {                                                         \
+      _mm256_store_ps(buf, _mm256_add_ps(a##r##0, b0));              \
+      _mm256_store_ps(buf + 8, _mm256_add_ps(a##r##1, b1));          \
+      for (int64_t j = 0; j < cols; ++j) out[j] = first ? buf[j] : out[j] + buf[j]; \
+    }                                                                \
   }
 
 // y[r, :cols] (+)= x[r, :k] . panel[:k] for R rows of x (row stride ldx): the `first` slice of
@@ -83,7 +89,15 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const float* panel, flo
     const __m256 w0 = _mm256_load_ps(panel + i * NR), w1 = _mm256_load_ps(panel + i * NR + 8);
     CB_ROW(0) CB_ROW(1) CB_ROW(2) CB_ROW(3) CB_ROW(4) CB_ROW(5)
   }
+  // The bias joins the first slice only; a partial panel (the last one) goes through `buf`.
   alignas(32) float buf[NR];
+  __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+  if (first && bias) {
+    for (int64_t j = 0; j < cols; ++j) buf[j] = bias[j];
+    for (int64_t j = cols; j < NR; ++j) buf[j] = 0.f;
+    b0 = _mm256_load_ps(buf);
+    b1 = _mm256_load_ps(buf + 8);
+  }
   CB_STORE(0) CB_STORE(1) CB_STORE(2) CB_STORE(3) CB_STORE(4) CB_STORE(5)
 }
 #undef CB_ROW
