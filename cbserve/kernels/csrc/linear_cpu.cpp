@@ -5,8 +5,9 @@
 // accumulator registers, 2 weight registers, 1 broadcast register. Panels are split across
 // ATen's threads; every row tile reuses a panel while it is still in cache, so at decode row
 // counts the weights are read from memory once per call (the step is bandwidth-bound, as it
-// should be) and larger row counts are compute-bound. Each output sums its K products in order,
-// in float.
+// should be) and larger row counts are compute-bound (K in L1-sized slices, rows in L2-sized
+// blocks). Each output sums its K products in order within a slice, then adds the slices, in
+// float.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -110,7 +112,9 @@ constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, t
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                          int64_t out_features) {
   check(available(), "needs a CPU with AVX2 and FMA (built without them)");
+  check(input.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   check(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
+  check(packed.dim() == 3 && packed.size(2) == NR, "the weight must come from pack_linear_weight");
   const int64_t k = packed.size(1), panels = packed.size(0);
   check(input.size(-1) == k, "the input's last dimension must equal the weight's in_features");
   check(panels == (out_features + NR - 1) / NR, "out_features does not match the packed weight");
@@ -123,7 +127,11 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   const int64_t m = k ? x.numel() / k : 0;
   if (m == 0) return y;
   std::optional<at::Tensor> b;
-  if (bias && bias->defined()) b = bias->contiguous();
+  if (bias && bias->defined()) {
+    check(bias->scalar_type() == at::kFloat && bias->numel() == out_features,
+          "the bias must be float32 [out_features]");
+    b = bias->contiguous();
+  }
 #if CB_HAS_AVX2
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
