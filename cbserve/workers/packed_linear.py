@@ -5,9 +5,10 @@ small row counts of decode steps that packing costs as much as the multiplicatio
 kernels avoid it, chosen once per engine:
 
 - ``cbserve``: the C++ kernel of `kernels/csrc/linear_cpu.cpp` (AVX2 + FMA) on weights packed
-  into 16-column panels. All 211 matrices of the default model (2-core EPYC, float32) vs
-  oneDNN's packed weights: 2.2x faster at 1 row, 1.6x at 8, 1.3-1.5x at 16-64, 1.0-1.2x at
-  128-2048 rows; at 1-8 rows it reads the weights at close to the memory bandwidth.
+  into 16-column panels. All 211 matrices of the default model (2-core EPYC, float32, weights
+  streamed from memory as in a decode step) vs oneDNN's packed weights: 1.5-2.2x faster at 1-8
+  rows, 1.1-1.5x at 16-64, on par at 128; per matrix at 2048 rows with the weights in cache
+  oneDNN is 0-10% faster, and whole prefill steps take the same time with either.
 - ``onednn``: `torch.ops.mkldnn._linear_pointwise` on a weight reordered once (1.6x faster than
   `F.linear` at 8 rows, 1.2-1.4x at 128), where the C++ kernels cannot be built or the CPU has
   no AVX2.
