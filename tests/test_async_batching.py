@@ -76,7 +76,7 @@ def test_staging_alternates_buffers_and_waits_for_each_buffers_last_copy() -> No
     b = staging.send([torch.arange(3) + 10])
     c = staging.send([torch.arange(40)])  # buffer 0 again, grown
     assert EVENT_LOG == [("wait", id(first)), ("record", id(first)), ("wait", id(second)),
-                                  ("record", id(second)), ("wait", id(first)), ("record", id(first))]
+                         ("record", id(second)), ("wait", id(first)), ("record", id(first))]
     assert a[0].tolist() == list(range(5)) and a[1].dtype == torch.int32 and a[1].tolist() == [[1, 2], [3, 4]]
     assert b[0].tolist() == [10, 11, 12] and c[0].tolist() == list(range(40))
     assert staging.buffers[0].numel() >= 40 and staging.buffers[1].numel() == 3
