@@ -246,7 +246,7 @@ def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str
     """Best time of `F.linear` over every weight matrix (all layers' projections and lm_head), and on a
     CPU the same with packed weights and the kernel cbserve's engine uses there (`prepack_weights`:
     the C++ panel kernel, else oneDNN)."""
-    from cbserve.workers import packed_linear
+    from cbserve.kernels import packed_linear
 
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}

@@ -22,8 +22,8 @@ from transformers import GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cbserve import ContinuousBatchingConfig, load_model
-from cbserve.workers.engine import EngineCore
-from cbserve.workers.tp_engine import TensorParallelEngine
+from cbserve.workers.factory import build_engine
+from cbserve.workers.sizing import Workload
 
 
 def run(model, prompts: list[list[int]], new_tokens: int, tp_size: int) -> tuple[float, float, list[list[int]]]:
@@ -32,8 +32,7 @@ def run(model, prompts: list[list[int]], new_tokens: int, tp_size: int) -> tuple
     cfg = ContinuousBatchingConfig(tp_size=tp_size)
     hint = sum(len(p) + new_tokens for p in prompts)
     start = time.perf_counter()
-    engine_cls = TensorParallelEngine if tp_size > 1 else EngineCore
-    engine = engine_cls(model, gc, cfg, max_total_tokens_hint=hint, num_requests_hint=len(prompts))
+    engine = build_engine(model, gc, cfg, Workload(max_total_tokens=hint, num_requests=len(prompts)))
     try:
         requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
         ready = time.perf_counter()

@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     model, tokenizer = load_model(args.model)
     if args.tp_size > 1:  # tensor parallelism hook: refuse a size the model cannot be split by, up front
-        from cbserve.workers.tensor_parallel import check_tp_size
+        from cbserve.workers.parallel.sharding import check_tp_size
 
         try:
             check_tp_size(model, args.tp_size)

@@ -64,6 +64,10 @@ class ContinuousBatchingConfig(BaseModel):
     per_request_processors: bool = False
     cpu_group_timeout: float | None = Field(300.0, gt=0.0)
     tp_size: int = Field(1, ge=1)
+    tp_launcher: Literal["spawn", "torchrun", "external"] | None = Field(
+        None, description="how the tensor-parallel ranks start: spawn (local processes started by the engine), "
+        "torchrun, external (a torch.distributed group joined before); None: torchrun under torchrun, else spawn"
+    )
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)
     scheduler_type: Literal["fifo", "prefill_first"] | None = Field(None, exclude=True)

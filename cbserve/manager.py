@@ -7,7 +7,6 @@ sleeps on a condition when idle and wakes on new work.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -19,34 +18,10 @@ from cbserve.config import ContinuousBatchingConfig
 from cbserve.output_store import OutputStore
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
-from cbserve.workers.engine import EngineCore
+from cbserve.workers import validation
+from cbserve.workers.factory import build_engine
 
 logger = logging.getLogger(__name__)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# Bounds of what the sampler can hold: top_k goes into an int64 tensor, seed into a
-# torch.Generator (int64 or uint64). Beyond them the request would fail inside a batch step.
-MAX_TOP_K = 2**31 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-# Below this a temperature is greedy: dividing float32 logits by it overflows to inf/NaN.
-MIN_SAMPLING_TEMPERATURE = 1e-5
-
-
-def validate_sampling(temperature: float | None, top_k: int | None, top_p: float | None,
-                      seed: int | None) -> None:
-    if temperature is not None and not (_is_number(temperature) and 0 <= temperature < math.inf):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                              or not 0 <= top_k <= MAX_TOP_K):
-        raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {top_k!r}")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
 
 
 class ContinuousBatchingManager:
@@ -57,13 +32,7 @@ class ContinuousBatchingManager:
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
         self.model = model
-        if continuous_batching_config is not None and continuous_batching_config.tp_size > 1:
-            # Tensor parallelism hook: rank 0's engine starts the other ranks (cbserve/workers/tp_engine.py).
-            from cbserve.workers.tp_engine import TensorParallelEngine
-
-            self.engine = TensorParallelEngine(model, generation_config, continuous_batching_config)
-        else:
-            self.engine = EngineCore(model, generation_config, continuous_batching_config)
+        self.engine = build_engine(model, generation_config, continuous_batching_config)
         self.config = self.engine.config
         self._outputs = OutputStore()
         # An RLock: cancel_request may be called with it held (async_request_iter).
@@ -180,10 +149,7 @@ class ContinuousBatchingManager:
             for input_ids, request_id in prompts:
                 if request_id is None:
                     request_id = f"req_{uuid.uuid4().hex[:12]}"
-                if not isinstance(request_id, str) or not request_id:
-                    raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-                if request_id in self._live or request_id in new_ids:
-                    raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+                validation.request_id(request_id, self._live.keys() | new_ids)
                 if isinstance(input_ids, torch.Tensor):
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
@@ -207,24 +173,8 @@ class ContinuousBatchingManager:
                 self._cond.notify_all()
 
     def _sampling(self, temperature, top_k, top_p, seed) -> SamplingParams | None:
-        given = any(v is not None for v in (temperature, top_k, top_p, seed))
-        if not given:
-            return None
-        if not self.config.per_request_processors:
-            raise ValueError(
-                "temperature/top_k/top_p/seed per request need per_request_processors=True in the "
-                "ContinuousBatchingConfig"
-            )
-        validate_sampling(temperature, top_k, top_p, seed)
-        base = self.engine.default_sampling()
-        return SamplingParams(
-            do_sample=True,
-            temperature=(base.temperature if temperature is None
-                         else 0.0 if temperature < MIN_SAMPLING_TEMPERATURE else float(temperature)),
-            top_k=base.top_k if top_k is None else top_k,
-            top_p=base.top_p if top_p is None else float(top_p),
-            seed=seed,
-        )
+        return validation.sampling(self.engine.default_sampling(), self.config.per_request_processors,
+                                   temperature, top_k, top_p, seed)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -270,6 +220,15 @@ class ContinuousBatchingManager:
                 with self._cond:  # atomic with _emit: a final output is either dropped or never stored
                     self.cancel_request(request_id)
                     self._outputs.discard(request_id, finished=request_id not in self._live)
+
+    def check_health(self) -> None:
+        """Raise RuntimeError when this manager cannot serve: stopped, its loop died, or its
+        engine broken (a tensor-parallel rank died or hung)."""
+        if self._destroyed:
+            raise RuntimeError("the manager was destroyed")
+        if not self.is_running():
+            raise RuntimeError(f"the batching loop is not running ({self.error!r})")
+        self.engine.check_health()
 
     def stats(self) -> dict[str, int]:
         stats = self.engine.stats()

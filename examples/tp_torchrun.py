@@ -20,7 +20,6 @@ from transformers import GenerationConfig
 
 import cbserve
 from cbserve.__main__ import chat_prompt_ids
-from cbserve.workers.tp_engine import serve_tensor_parallel_rank
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
@@ -33,7 +32,7 @@ def main() -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
     model, tokenizer = cbserve.load_model(args.model)
-    config = cbserve.ContinuousBatchingConfig(tp_size=world)
+    config = cbserve.ContinuousBatchingConfig(tp_size=world, tp_launcher="torchrun")
     generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     inputs = [chat_prompt_ids(tokenizer, prompt) for prompt in PROMPTS]
@@ -50,7 +49,7 @@ def main() -> None:
             pieces = [tokenizer.decode(out.new_tokens) for out in manager.request_id_iter(request_id)]
         print(f"[rank 0/{world}] manager, streamed: {pieces}", flush=True)
     elif world > 1:
-        serve_tensor_parallel_rank(model, config)
+        cbserve.serve_tensor_parallel_rank(model, config)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,8 +1,21 @@
 import gc
+import weakref
 
 import pytest
 
-from cbserve.workers.engine import LIVE_ENGINES
+from cbserve.workers.engine import EngineCore
+
+# Every engine built in this process, so that each test can check that pages always come back.
+LIVE_ENGINES: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+_engine_init = EngineCore.__init__
+
+
+def _tracked_init(self, *args, **kwargs) -> None:
+    _engine_init(self, *args, **kwargs)
+    LIVE_ENGINES.add(self)
+
+
+EngineCore.__init__ = _tracked_init
 
 
 @pytest.fixture(autouse=True)

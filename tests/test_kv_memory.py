@@ -52,7 +52,7 @@ def test_offload_and_restore_without_recompute() -> None:
     stats = engine.stats()
     assert stats["offloads"] > 0 and stats["restores"] == stats["offloads"]
     assert stats["recomputes"] == 0
-    assert engine.offload_pool.num_free == engine.offload_pool.num_blocks
+    assert engine.scheduler.host_pages.num_free == engine.scheduler.host_pages.num_blocks
 
 
 def test_offload_pool_too_small_falls_back_to_recompute() -> None:
@@ -129,7 +129,7 @@ def test_cancel_while_offloaded_frees_host_and_device_pages() -> None:
             engine.step()
             offloaded = next((r for r in requests if r.host_block_ids), None)
         assert offloaded is not None, "the small cache never evicted a request"
-        pool = engine.offload_pool
+        pool = engine.scheduler.host_pages
         assert pool.num_free < pool.num_blocks
         engine.cancel_request(offloaded.request_id)
         assert offloaded.host_block_ids == [] and offloaded.status == cbserve.RequestStatus.CANCELLED

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cbserve
-from cbserve.workers import packed_linear
+from cbserve.kernels import packed_linear
 from tests.test_exactness import assert_matches_reference, run_engine
 from tests.tiny_models import random_prompts, reference_generate, tiny_model
 

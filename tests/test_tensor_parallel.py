@@ -24,7 +24,7 @@ import cbserve
 from cbserve import FinishReason, GenerationOutput, RequestStatus
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.workers.engine import EngineCore
-from cbserve.workers.tp_engine import TensorParallelEngine
+from cbserve.workers.parallel.leader import BroadcastingRunner, TensorParallelLeader
 from tests.tiny_models import random_prompts, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -141,9 +141,9 @@ def test_manager_tp2_equals_tp1_through_cancel_stop_and_hard_stop(arch: str) -> 
     model = model_for(arch)
     manager = cbserve.init_continuous_batching(model, greedy(MAX_NEW), engine_config(tp_size=2))
     engine = manager.engine
-    assert isinstance(engine, TensorParallelEngine)
+    assert isinstance(engine.parallel, TensorParallelLeader) and isinstance(engine.runner, BroadcastingRunner)
     assert engine.cache.num_kv_heads == 1 and engine.model.config.num_attention_heads == 2  # per shard
-    pids = engine.rank_pids
+    pids = engine.parallel.rank_pids
     assert len(pids) == 1
     try:
         manager.start()
@@ -193,7 +193,7 @@ def test_lost_rank_fails_live_requests_within_the_timeout(how: signal.Signals) -
     timeout = 4.0
     manager = cbserve.init_continuous_batching(model_for("llama"), greedy(MAX_NEW),
                                                engine_config(tp_size=2, cpu_group_timeout=timeout))
-    pids = manager.engine.rank_pids
+    pids = manager.engine.parallel.rank_pids
     try:
         manager.start()
         prompt = random_prompts([20], seed=4)[0]

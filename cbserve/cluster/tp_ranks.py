@@ -3,7 +3,7 @@
 The replica is rank 0 and runs the manager; ranks 1..N-1 are `TPRank` actors, one per bundle
 of the placement group `app.worker_options` reserves (STRICT_PACK: one node). All ranks join one
 `torch.distributed` group over TCP at the replica's address; the engine then sees an
-externally launched group (`cbserve.workers.tp_engine`): rank 0's engine broadcasts each step
+externally launched group (`tp_launcher="external"`, `cbserve.workers.parallel.launch`): rank 0's engine broadcasts each step
 and the actors follow (`serve_tensor_parallel_rank`) until the manager shuts down. The actors
 are owned by the replica, so Ray stops them if the replica dies.
 """
@@ -31,7 +31,7 @@ def _device() -> Any:
 def _join(address: str, port: int, rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from cbserve.workers.tp_worker import data_backend
+    from cbserve.workers.parallel.groups import data_backend
 
     dist.init_process_group(data_backend(_device()), init_method=f"tcp://{address}:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
@@ -68,7 +68,7 @@ class TPRank:
     def follow(self, address: str, port: int, world: int, engine: dict[str, Any]) -> str:
         """Join the group, then run every step rank 0 broadcasts until it shuts down."""
         from cbserve.config import ContinuousBatchingConfig
-        from cbserve.workers.tp_engine import serve_tensor_parallel_rank
+        from cbserve.workers.parallel.launch import serve_tensor_parallel_rank
 
         _join(address, port, self.rank, world)
         serve_tensor_parallel_rank(self.model, ContinuousBatchingConfig(**engine))

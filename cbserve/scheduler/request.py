@@ -1,11 +1,9 @@
-"""A request's state inside the engine, and the validation that guards its entry."""
+"""A request's state inside the engine: its tokens, pages, status and timings."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 
@@ -56,7 +54,6 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     exception: BaseException | None = None
-    generator: torch.Generator | None = None
     created_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -67,8 +64,6 @@ class Request:
         self.tokens = list(self.prompt_ids)
         if self.return_logprobs:
             self.logprobs = []
-        if self.sampling.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -13,9 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from cbserve.outputs import RequestStatus
+from cbserve.scheduler.block_manager import BlockManager
+from cbserve.scheduler.host_pages import HostPages, KVTransfer
 from cbserve.scheduler.request import Request
-from cbserve.workers.block_manager import BlockManager
-from cbserve.workers.offload import HostOffloadPool
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,15 @@ class ScheduledRequest:
     sample: bool
 
 
+@dataclass
+class StepPlan:
+    """What one step does: copy pages between device and host (in order, before the forward
+    pass), then run `batch`."""
+
+    batch: list[ScheduledRequest]
+    transfers: list[KVTransfer]
+
+
 class Scheduler:
     def __init__(
         self,
@@ -36,7 +45,7 @@ class Scheduler:
         max_requests: int,
         policy: str = "fifo",
         safety_margin: float = 0.15,
-        offload_pool: HostOffloadPool | None = None,
+        host_pages: HostPages | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -45,7 +54,8 @@ class Scheduler:
         self.safety_margin = safety_margin
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.offload_pool = offload_pool
+        self.host_pages = host_pages
+        self._transfers: list[KVTransfer] = []
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.prefix_hit_tokens = 0
@@ -68,11 +78,11 @@ class Scheduler:
                 pass
         self.block_manager.free(request)
         if request.host_block_ids:
-            self.offload_pool.release(request)
+            self.host_pages.release(request)
 
     # -- one step ----------------------------------------------------------------------------
 
-    def schedule(self) -> list[ScheduledRequest]:
+    def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
         batch: list[ScheduledRequest] = []
         decodes = [r for r in self.running if r.num_pending == 1 and not r.awaits_last_token]
@@ -93,7 +103,8 @@ class Scheduler:
         self._admit(batch, budget)
         if self.policy == "prefill_first":  # admitted prefills go first
             batch.sort(key=lambda s: s.request.num_pending == 1)
-        return batch
+        transfers, self._transfers = self._transfers, []
+        return StepPlan(batch, transfers)
 
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num
@@ -110,7 +121,10 @@ class Scheduler:
         """Evict a running request: its pages go to the host pool when it has room, else
         they are dropped and recomputed on readmission."""
         self.running.remove(request)
-        offloaded = self.offload_pool is not None and self.offload_pool.offload(request)
+        transfer = self.host_pages.offload(request) if self.host_pages is not None else None
+        if transfer is not None:
+            self._transfers.append(transfer)
+        offloaded = transfer is not None
         logger.debug("preempting %s (%s)", request.request_id, "offload" if offloaded else "recompute")
         self.num_recomputes += not offloaded
         self.block_manager.free(request)
@@ -142,7 +156,7 @@ class Scheduler:
                 bm.free(request)  # release the prefix pages it matched; it stays in line
                 break
             if restored:
-                self.offload_pool.restore(request)
+                self._transfers.append(self.host_pages.restore(request))
             del self.waiting[i]
             self.prefix_hit_tokens += request.num_computed
             self.running.append(request)

@@ -204,3 +204,33 @@ class StepGraphs:
             "use_cache": False,
         }
         return lambda: self.forward(kwargs, shape.decode)
+
+
+def build_step_graphs(config, runner, attention_backend: str, max_requests: int,
+                      max_batch_tokens: int) -> StepGraphs | None:
+    """CUDA graphs as `use_cuda_graph` asks: (varlen, decode), or one bool for both. None
+    means decode graphs on CUDA when possible and no varlen graphs (opt-in)."""
+    wanted = config.use_cuda_graph
+    varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+    # Graphs replay the kernels' block-table path; the sdpa/cpu paths hold host control flow.
+    full_kernels = runner.kernels is not None and runner.kernels.varlen is not None
+    if decode is None:
+        decode = runner.device.type == "cuda" and full_kernels and runner.max_blocks_per_request > 0
+    if not (decode or varlen):
+        return None
+    if not full_kernels:
+        raise ValueError("use_cuda_graph needs a kernel attention backend (triton or flash), "
+                         f"got {attention_backend!r}")
+    if decode and runner.max_blocks_per_request == 0:
+        raise ValueError("use_cuda_graph for decode steps needs the decode fast path: max_blocks_per_request "
+                         "must be > 0 (it is forced to 0 for sliding-window models); use_cuda_graph=(True, False) "
+                         "captures varlen steps only")
+    graphs = StepGraphs(
+        runner.forward, max_requests=max_requests, max_tokens=max_batch_tokens,
+        decode_width=runner.max_blocks_per_request, page_size=runner.page_size,
+        q_padding_interval=config.q_padding_interval_size, kv_padding_interval=config.kv_padding_interval_size,
+        decode=bool(decode), varlen=bool(varlen), device=runner.device, graph_factory=cuda_graph_factory(runner.device),
+    )
+    logger.info("CUDA graphs on: decode %s (up to %d requests, %d pages each), varlen %s (up to %d tokens)",
+                bool(decode), max_requests, runner.max_blocks_per_request, bool(varlen), graphs.max_varlen_tokens)
+    return graphs

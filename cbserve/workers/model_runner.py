@@ -12,7 +12,7 @@ from cbserve.workers.block_table import BlockTables
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import StepGraphs
 from cbserve.workers.input_staging import InputStaging
-from cbserve.workers.kv_cache import PagedKVCache
+from cbserve.workers.kv.cache import PagedKVCache
 
 
 def is_decode(s: ScheduledRequest) -> bool:

@@ -35,18 +35,34 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 class Sampler:
+    """Draws with the engine's generator, or with a request's own when it has a seed: those
+    generators live here, keyed by request id, from its first draw until `forget`."""
+
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        generator = self._seeded.get(request_id)
+        if generator is None:
+            generator = self._seeded[request_id] = torch.Generator().manual_seed(params.seed)
+        return generator
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (finished, cancelled, failed): drop its generator."""
+        self._seeded.pop(request_id, None)
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        request_ids: list[str],
         want_logprobs: bool,
     ) -> tuple[list[int], list[float] | None]:
         """logits [rows, vocab] float32. Returns one token per row, and its logprob if asked."""
@@ -60,7 +76,8 @@ class Sampler:
             cdf = sub.softmax(dim=-1).cumsum(dim=-1)
             # One uniform draw per row from the row's own generator when seeded, so a seeded
             # request gives the same tokens whatever else shares its batch.
-            u = torch.stack([torch.rand((), generator=generators[i] or self.generator) for i in sampled_rows])
+            u = torch.stack([torch.rand((), generator=self._generator(request_ids[i], params[i]))
+                             for i in sampled_rows])
             picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
             picks = picks.clamp(max=logits.shape[-1] - 1)
             tokens = tokens.index_put((rows,), picks)

@@ -1,14 +1,18 @@
-"""The ranks > 0 of a tensor-parallel engine: the loop each one runs (take rank 0's step plan,
-run its shard's forward, whose all-reduces meet rank 0's), and their launch, either as local
-processes started by rank 0 or by an external launcher such as `torchrun`.
+"""How the ranks of a tensor-parallel engine come to exist, chosen by `tp_launcher`:
 
-Local ranks are forked from a forkserver that has imported torch and transformers once, so
-an engine after the first starts in a second or two instead of re-importing everything.
+- ``spawn``: rank 0 (the caller) starts ranks 1..N-1 as local processes, each given its shard.
+  They are forked from a forkserver that has imported torch and transformers once, so an engine
+  after the first starts in a second or two instead of re-importing everything.
+- ``torchrun``: every rank runs the caller's script; the group is joined from torchrun's
+  environment variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
+- ``external``: the caller has already joined a `torch.distributed` group of `tp_size` ranks
+  (the Ray cluster's rank actors do this, `cluster/rank_actors.py`).
+
+None resolves to ``torchrun`` under torchrun (`TORCHELASTIC_RUN_ID` is set), else ``spawn``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -17,29 +21,59 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cbserve.kernels import paged_attention
-from cbserve.workers.kv_cache import PagedKVCache
-from cbserve.workers.tensor_parallel import install_all_reduce, shard_model
-from cbserve.workers.tp_comm import TensorParallelError, TPGroups, destroy, unpack
+from cbserve.config import ContinuousBatchingConfig
+from cbserve.workers.parallel.follower import follow
+from cbserve.workers.parallel.groups import (
+    NO_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    TensorParallelError,
+    TPGroups,
+    data_backend,
+    destroy,
+)
+from cbserve.workers.parallel.sharding import shard_model
 
 logger = logging.getLogger(__name__)
 
-# Joining the group waits for every rank to import torch and transformers: on a loaded machine
-# that takes far longer than a collective may, so start-up has its own bound.
-STARTUP_TIMEOUT_S = 600.0
 REPORT_GRACE_S = 1.0  # how long a failure report waits for a dying rank's exit status
 READY_KEY = "cbserve_tp/ready/{}"
-PRELOAD = ["torch", "torch.distributed", "transformers", "cbserve.workers.tp_worker"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "cbserve.workers.parallel.launch"]
 
 
-def data_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def resolve_launcher(config: ContinuousBatchingConfig) -> str:
+    if config.tp_launcher is not None:
+        return config.tp_launcher
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "spawn"
+
+
+def group_timeout(config: ContinuousBatchingConfig) -> float:
+    return config.cpu_group_timeout if config.cpu_group_timeout is not None else NO_TIMEOUT_S
+
+
+def launcher_rank(config: ContinuousBatchingConfig) -> int:
+    """This process's rank as the launcher sees it (0 for ``spawn``: the caller is rank 0)."""
+    launcher = resolve_launcher(config)
+    if launcher == "external" and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0")) if launcher == "torchrun" else 0
+
+
+def join_launched_group(config: ContinuousBatchingConfig, device: torch.device) -> TPGroups:
+    """``torchrun`` / ``external``: this process's groups in the group its launcher made."""
+    world = config.tp_size
+    if resolve_launcher(config) == "torchrun" and not dist.is_initialized():
+        dist.init_process_group(data_backend(device), timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    if not dist.is_initialized():
+        raise RuntimeError("tp_launcher='external' needs a torch.distributed group joined before the engine is built")
+    if dist.get_world_size() != world:
+        raise ValueError(f"tp_size={world} but the launcher started {dist.get_world_size()} ranks; "
+                         f"launch as many processes as tp_size")
+    return TPGroups(dist.get_rank(), world, group_timeout(config), data_backend(device))
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -102,40 +136,6 @@ class PackedModule:
             sub = self.module.get_submodule(path)
             (sub._parameters if is_param else sub._buffers)[name] = views[index, is_param]
         return self.module
-
-
-def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
-    """Rank > 0: run every step rank 0 broadcasts until it shuts down; returns the shutdown
-    message's payload. Raises TensorParallelError when rank 0 or a peer fails."""
-    from cbserve.workers.engine import ModelShape  # engine imports are heavy; the forkserver has them
-
-    paged_attention.register()
-    shard.set_attn_implementation(paged_attention.ATTENTION_NAME)
-    install_all_reduce(shard, groups.data)
-    decoder = shard.get_decoder()  # the LM head is replicated: only rank 0 needs logits
-    shape = ModelShape.from_model(shard)
-    dtype = next(shard.parameters()).dtype
-    cache: PagedKVCache | None = None
-    while True:
-        message = groups.recv()
-        if message.kind == "step":
-            plan = unpack(message.payload, device)
-            plan["cb_meta"] = dataclasses.replace(plan["cb_meta"], k_caches=cache.k, v_caches=cache.v)
-            try:
-                with torch.inference_mode():
-                    decoder(**plan)
-            except TensorParallelError:
-                raise
-            except Exception as error:
-                raise groups.fail("running its forward pass", error) from error
-        elif message.kind == "setup":
-            cache = PagedKVCache(shape.num_layers, message.payload["num_blocks"], message.payload["page_size"],
-                                 shape.num_kv_heads, shape.head_dim, dtype, device)
-            logger.info("rank %d: KV cache of %.1f MiB", groups.rank, cache.nbytes / 2**20)
-        elif message.kind == "shutdown":
-            return message.payload
-        else:  # ping, stop, hard_stop: nothing is in flight on this rank between steps
-            logger.debug("rank %d: %s", groups.rank, message.kind)
 
 
 def worker_main(rank: int, world: int, port: int, packed: PackedModule, timeout: float,
@@ -248,3 +248,19 @@ class LocalRanks:
                     proc.kill()
             for proc in self.procs:
                 proc.join()
+
+
+def serve_tensor_parallel_rank(model: torch.nn.Module, config: ContinuousBatchingConfig) -> object:
+    """Ranks > 0 under ``torchrun`` or an ``external`` launcher: follow rank 0's engine until it
+    shuts down; returns what rank 0 sent with the shutdown (the outputs, for `generate_batch`)."""
+    from cbserve.workers.parallel.leader import check_parallel_config
+
+    check_parallel_config(model, config)
+    device = next(model.parameters()).device
+    groups = join_launched_group(config, device)
+    if groups.rank == 0:
+        raise RuntimeError("rank 0 runs the engine (a manager or generate_batch), not serve_tensor_parallel_rank")
+    try:
+        return follow(shard_model(model, groups.rank, config.tp_size), groups, device)
+    finally:
+        destroy([groups.data, groups.control, groups.health])

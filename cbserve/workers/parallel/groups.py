@@ -2,7 +2,7 @@
 
 - `data`: the all-reduces inside the forward pass (NCCL on GPUs, gloo on CPUs).
 - `control`: a CPU (gloo) group on which rank 0 broadcasts every message to the other ranks:
-  each step's plan, heartbeats while idle, stop / hard stop / shutdown.
+  each step's plan, heartbeats while idle, shutdown.
 - `health`: a CPU group used only after a failure, for a monitored barrier that names the ranks
   that did not answer (its connections are untouched by the failed collective).
 
@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 # How long ranks wait for each other at the monitored barrier after a failure.
 HEALTH_BARRIER_S = 2.0
+# Joining the group waits for every rank to import torch and transformers: on a loaded machine
+# that takes far longer than a collective may, so start-up has its own bound.
+STARTUP_TIMEOUT_S = 600.0
+NO_TIMEOUT_S = 1800.0  # cpu_group_timeout=None: torch's own default for gloo
+
+
+def data_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class TensorParallelError(RuntimeError):
@@ -36,7 +44,7 @@ class TensorParallelError(RuntimeError):
 
 @dataclass
 class Message:
-    kind: str  # "setup" | "step" | "ping" | "stop" | "hard_stop" | "shutdown"
+    kind: str  # "setup" | "step" | "ping" | "shutdown"
     payload: Any = None
 
 
