@@ -117,7 +117,3 @@ class OutputStore:
             self._async_waiters.pop(request_id, None)
             if not finished:
                 self._discarded.add(request_id)
-
-    def wake_all(self) -> None:
-        with self._cond:
-            self._cond.notify_all()

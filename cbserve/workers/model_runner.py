@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from cbserve.kernels.backends import KernelBackend
@@ -13,6 +15,16 @@ from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import StepGraphs
 from cbserve.workers.input_staging import InputStaging
 from cbserve.workers.kv.cache import PagedKVCache
+
+
+@dataclass
+class _Rows:
+    """A step's packed rows as they are built: token ids, positions, KV slots, sampled rows."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
 
 
 def is_decode(s: ScheduledRequest) -> bool:
@@ -65,50 +77,19 @@ class ModelRunner:
             width = self.max_blocks_per_request
         table = self.tables.table([s.request for s in ordered], width)
         lens = torch.tensor(context_lens)
-
-        input_ids: list[int] = []
-        device_rows: list[int] = []  # decode rows whose token is still on the device
-        for row, s in enumerate(decodes):
-            req = s.request
-            on_host = req.num_computed < len(req.tokens)
-            input_ids.append(req.tokens[req.num_computed] if on_host else 0)
-            if not on_host:
-                device_rows.append(row)
-        positions: list[torch.Tensor] = []
-        slot_parts: list[torch.Tensor] = []
-        sample_rows: list[int] = list(range(len(decodes)))
-        sampled: list[ScheduledRequest] = list(decodes)
-        nd = len(decodes)
-        if nd:
-            last = lens[:nd] - 1
-            positions.append(last)
-            last_pages = table[:nd].gather(1, (last // self.page_size)[:, None]).squeeze(1)
-            slot_parts.append(last_pages * self.page_size + last % self.page_size)
-
-        chunks: list[PrefillChunk] = []
-        row = nd
-        for i, s in enumerate(prefills, start=nd):
-            req, n = s.request, s.num_query_tokens
-            start = req.num_computed
-            input_ids.extend(req.tokens[start : start + n])
-            positions.append(torch.arange(start, start + n))
-            slot_parts.append(self._slots(table[i], start, start + n))
-            chunks.append(PrefillChunk(row, row + n, start, table[i : i + 1], self.page_size))
-            row += n
-            if s.sample:
-                sample_rows.append(row - 1)
-                sampled.append(s)
-
+        device_rows = self._decode_rows(rows := _Rows(), decodes, table, lens)
+        chunks = self._prefill_rows(rows, prefills, table, len(decodes))
         # Every integer input goes to the device in one call (one staged copy on CUDA).
         full_kernels = self.kernels is not None and self.kernels.varlen is not None
-        host = [torch.tensor(input_ids), torch.cat(positions), torch.cat(slot_parts), torch.tensor(sample_rows or [0])]
+        host = [torch.tensor(rows.input_ids), torch.cat(rows.positions), torch.cat(rows.slots),
+                torch.tensor(rows.sample_rows or [0])]
         if full_kernels:
             cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
             torch.cumsum(torch.tensor([s.num_query_tokens for s in ordered]), 0, out=cu_seqlens_q[1:])
             host += [table, lens.to(torch.int32), cu_seqlens_q]
         if device_rows:
-            rows = in_flight.rows
-            host += [torch.tensor(device_rows), torch.tensor([rows[id(decodes[r].request)] for r in device_rows])]
+            sources = in_flight.rows
+            host += [torch.tensor(device_rows), torch.tensor([sources[id(decodes[r].request)] for r in device_rows])]
         ids, position_ids, slot_mapping, logits_to_keep, *rest = self._to_device(host)
         kernel_inputs = None
         if full_kernels:
@@ -118,8 +99,9 @@ class ModelRunner:
                 max_seqlen_q=max(s.num_query_tokens for s in ordered), max_seqlen_k=max(context_lens),
             )
         if device_rows:  # async batching: those tokens come from the launched step, on the device
-            rows_on_device, sources = rest
-            ids[rows_on_device] = in_flight.tokens[sources]
+            rows_on_device, source_rows = rest
+            ids[rows_on_device] = in_flight.tokens[source_rows]
+        nd = len(decodes)
         meta = AttentionMetadata(
             k_caches=self.cache.k,
             v_caches=self.cache.v,
@@ -133,14 +115,45 @@ class ModelRunner:
             decode_kernel=self.kernels.decode if self.kernels is not None and kernel_inputs is None else None,
             fast_decode=fast,
         )
-        kwargs = {
-            "input_ids": ids[None],
-            "position_ids": position_ids[None],
-            "logits_to_keep": logits_to_keep,
-            "cb_meta": meta,
-            "use_cache": False,
-        }
-        return kwargs, sampled
+        kwargs = {"input_ids": ids[None], "position_ids": position_ids[None], "logits_to_keep": logits_to_keep,
+                  "cb_meta": meta, "use_cache": False}
+        return kwargs, decodes + [s for s in prefills if s.sample]
+
+    def _decode_rows(self, rows: _Rows, decodes: list[ScheduledRequest], table: torch.Tensor,
+                     lens: torch.Tensor) -> list[int]:
+        """One row per decode request; returns the rows whose token is still on the device."""
+        device_rows: list[int] = []
+        for row, s in enumerate(decodes):
+            req = s.request
+            on_host = req.num_computed < len(req.tokens)
+            rows.input_ids.append(req.tokens[req.num_computed] if on_host else 0)
+            if not on_host:
+                device_rows.append(row)
+        nd = len(decodes)
+        rows.sample_rows.extend(range(nd))
+        if nd:
+            last = lens[:nd] - 1
+            rows.positions.append(last)
+            last_pages = table[:nd].gather(1, (last // self.page_size)[:, None]).squeeze(1)
+            rows.slots.append(last_pages * self.page_size + last % self.page_size)
+        return device_rows
+
+    def _prefill_rows(self, rows: _Rows, prefills: list[ScheduledRequest], table: torch.Tensor,
+                      first: int) -> list[PrefillChunk]:
+        """A chunk of rows per prefill request (block-table rows from `first` on)."""
+        chunks: list[PrefillChunk] = []
+        row = len(rows.input_ids)
+        for i, s in enumerate(prefills, start=first):
+            req, n = s.request, s.num_query_tokens
+            start = req.num_computed
+            rows.input_ids.extend(req.tokens[start : start + n])
+            rows.positions.append(torch.arange(start, start + n))
+            rows.slots.append(self._slots(table[i], start, start + n))
+            chunks.append(PrefillChunk(row, row + n, start, table[i : i + 1], self.page_size))
+            row += n
+            if s.sample:
+                rows.sample_rows.append(row - 1)
+        return chunks
 
     def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.staging is not None:

@@ -36,7 +36,7 @@ from cbserve.workers.parallel.groups import (
     data_backend,
     destroy,
 )
-from cbserve.workers.parallel.sharding import shard_model
+from cbserve.workers.parallel.sharding import check_parallel_config, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +253,6 @@ class LocalRanks:
 def serve_tensor_parallel_rank(model: torch.nn.Module, config: ContinuousBatchingConfig) -> object:
     """Ranks > 0 under ``torchrun`` or an ``external`` launcher: follow rank 0's engine until it
     shuts down; returns what rank 0 sent with the shutdown (the outputs, for `generate_batch`)."""
-    from cbserve.workers.parallel.leader import check_parallel_config
-
     check_parallel_config(model, config)
     device = next(model.parameters()).device
     groups = join_launched_group(config, device)

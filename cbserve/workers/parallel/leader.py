@@ -35,19 +35,12 @@ from cbserve.workers.parallel.groups import (
     pack,
 )
 from cbserve.workers.parallel.launch import LocalRanks, group_timeout, join_launched_group, resolve_launcher
-from cbserve.workers.parallel.sharding import check_tp_size, install_all_reduce, shard_model
+from cbserve.workers.parallel.sharding import check_parallel_config, install_all_reduce, shard_model
 from cbserve.workers.sizing import DEFAULT_MEMORY_PERCENT
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 10.0
-
-
-def check_parallel_config(model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
-    check_tp_size(model, config.tp_size)
-    if config.cpu_offload_space != 0:
-        raise ValueError("cpu_offload_space must be 0 with tp_size > 1: offloading pages across ranks is not "
-                         "supported yet")
 
 
 class BroadcastingRunner:

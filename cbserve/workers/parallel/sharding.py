@@ -39,6 +39,15 @@ def _layers(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     return attn, mlp
 
 
+def check_parallel_config(model: nn.Module, config) -> None:
+    """Refuse a `ContinuousBatchingConfig` whose tensor parallelism cannot run, before any weight
+    moves or process starts."""
+    check_tp_size(model, config.tp_size)
+    if config.cpu_offload_space != 0:
+        raise ValueError("cpu_offload_space must be 0 with tp_size > 1: offloading pages across ranks is not "
+                         "supported yet")
+
+
 def check_tp_size(model: nn.Module, tp_size: int) -> None:
     """Refuse a `tp_size` the model cannot be split by, before any weight moves."""
     if tp_size == 1:
@@ -114,7 +123,6 @@ def shard_model(model: nn.Module, rank: int, world: int) -> nn.Module:
         _split_cols(module.down_proj, rank, world)
         if isinstance(getattr(module, "intermediate_size", None), int):
             module.intermediate_size //= world
-    shard.cbserve_tp_rank, shard.cbserve_tp_world = rank, world
     return shard
 
 
