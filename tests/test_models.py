@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cbserve.kernels import cpu_isa
 from cbserve.models import CACHE_ENV, DEFAULT_MODEL_NAME, SOURCE_FILE, load_model
 
 pytestmark = pytest.mark.default_model
@@ -45,7 +46,7 @@ def test_cache_is_built_once_and_is_faster(loaded, cache_dir: Path) -> None:
 def test_model_and_tokenizer(loaded) -> None:
     model, tokenizer, _, _ = loaded
     assert not model.training
-    assert model.dtype == torch.float32
+    assert model.dtype == cpu_isa.auto_dtype()  # dtype="auto": bfloat16 on CPUs with native bfloat16
     assert getattr(model.config, "quantization_config", None) is None
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     assert tokenizer.chat_template is not None
