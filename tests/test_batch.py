@@ -1,4 +1,4 @@
-"""Batch jobs (`python -m cbserve.cluster.batch`) on a local Ray with the tiny model.
+"""Batch jobs (`python -m cbserve.batch`) on a local Ray with the tiny model.
 
 - 200 input lines, bad ones among them: every good line's record equals `generate_batch`'s greedy
   result, every bad line gets an error; a rerun after deleting the last 50 records (and leaving a
@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 from conftest_cluster import WORDS, free_port, tiny_model_dir
 
-from cbserve.cluster.batch import BatchOptions, run_batch
-from cbserve.cluster.batch_io import prepare_output
-from cbserve.cluster.batch_schema import BatchLine, parse_line, record_key
+from cbserve.batch.io import prepare_output
+from cbserve.batch.job import BatchOptions, run_batch
+from cbserve.batch.schema import BatchLine, parse_line, record_key
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = {"page_size": 8, "num_blocks": 512, "max_batch_tokens": 256}
@@ -467,7 +467,7 @@ def test_ray_job_submit_succeeds(ray_head: RayHead, model_dir: Path, lines: Line
     inp = write_input(tmp_path / "prompts.jsonl", [lines.texts[i] for i in subset])
     out = tmp_path / "results.jsonl"
     job_id = f"cbserve-batch-test-{uuid.uuid4().hex[:8]}"
-    job = [sys.executable, "-m", "cbserve.cluster.batch", "--input", str(inp), "--output", str(out),
+    job = [sys.executable, "-m", "cbserve.batch", "--input", str(inp), "--output", str(out),
            "--model", str(model_dir), "--engine", json.dumps(ENGINE), "--max-tokens", str(DEFAULT_MAX_TOKENS),
            "--temperature", "0", "--no-progress", "--log-every", "10"]  # fmt: skip
     submit = _run([_ray_cli(), "job", "submit", "--address", ray_head.address, "--submission-id", job_id,

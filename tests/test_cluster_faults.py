@@ -493,9 +493,10 @@ def _service_with_failing_worker(ending: str) -> Any:
     does when the replica's actor dies) or stops without its `end` event (`stop`)."""
     import asyncio
 
-    from cbserve.cluster.openai_service import ChoiceStream, OpenAIService
-    from cbserve.cluster.protocol import WorkerEvent
     from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.openai_service import OpenAIService
+    from cbserve.serving.protocol import WorkerEvent
+    from cbserve.serving.replies import ChoiceStream
 
     async def events() -> Any:
         yield WorkerEvent(kind="delta", text="hi", token_ids=[5])
@@ -516,8 +517,8 @@ def test_service_turns_a_worker_dying_mid_request_into_an_error(ending: str) -> 
     exception that cuts the body). Not streamed: a 503."""
     import asyncio
 
-    from cbserve.cluster.errors import APIError
-    from cbserve.cluster.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.errors import APIError
+    from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
 
     async def sse(reply: Any) -> list[str]:
         return [line async for line in (await reply).stream]
@@ -544,9 +545,9 @@ def test_grpc_generate_turns_a_worker_dying_mid_request_into_unavailable(ending:
 
     import grpc
 
-    from cbserve.cluster import grpc_service
     from cbserve.cluster.ingress import OpenAIIngress
-    from cbserve.cluster.metrics import ServingMetrics
+    from cbserve.serving import grpc_service
+    from cbserve.serving.metrics import ServingMetrics
 
     service = _service_with_failing_worker(ending)
     ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve, no FastAPI app

@@ -124,7 +124,7 @@ class _HeldStream:
 def test_excess_requests_are_refused_fast_and_accepted_ones_complete(cluster: dict[str, Any]) -> None:
     import grpc
 
-    from cbserve.cluster.protos import generate_pb2, generate_pb2_grpc
+    from cbserve.serving.protos import generate_pb2, generate_pb2_grpc
 
     expected = {p: _text(_post(cluster, _completion(p, 8))[2], False) for p in ("the sea", "one two")}
     held_expected = _text(_post(cluster, _completion(HOLD_PROMPT, 450))[2], False)

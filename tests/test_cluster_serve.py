@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 API_KEY = "test-key-123"
 MODEL = "tiny"
 ENGINE = {"page_size": 8, "num_blocks": 256, "max_batch_tokens": 256}
-SERVICER = "cbserve.cluster.protos.generate_pb2_grpc.add_GenerateServiceServicer_to_server"
+SERVICER = "cbserve.serving.protos.generate_pb2_grpc.add_GenerateServiceServicer_to_server"
 
 
 def _args(model_dir: Path, **extra: Any) -> dict[str, Any]:
@@ -300,14 +300,14 @@ def test_client_disconnect_cancels_request_and_frees_pages(cluster: dict[str, An
 def _grpc(cluster: dict[str, Any]) -> Any:
     import grpc
 
-    from cbserve.cluster.protos import generate_pb2_grpc
+    from cbserve.serving.protos import generate_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{cluster['grpc']}")
     return generate_pb2_grpc.GenerateServiceStub(channel)
 
 
 def test_grpc_generate_streams_python_api_tokens(cluster: dict[str, Any], reference: Any) -> None:
-    from cbserve.cluster.protos import generate_pb2
+    from cbserve.serving.protos import generate_pb2
 
     tokenizer, greedy = reference
     ids = tokenizer("one two three").input_ids
@@ -346,7 +346,7 @@ def test_grpc_bad_requests(cluster: dict[str, Any], request_fields: dict[str, An
     import grpc
     from google.protobuf import json_format
 
-    from cbserve.cluster.protos import generate_pb2
+    from cbserve.serving.protos import generate_pb2
 
     request = json_format.ParseDict(request_fields, generate_pb2.GenerateRequest())
     metadata = [("application", "cbserve")] + ([("authorization", f"Bearer {key}")] if key else [])

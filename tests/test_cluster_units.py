@@ -1,5 +1,6 @@
-"""Cluster logic without Ray: detokenizer, stop strings, prefix hashes, the worker's request
-path on a real manager, the OpenAI service, the router's choices, offload shares, settings."""
+"""Serving and cluster logic without a Ray cluster: detokenizer, stop strings, prefix hashes, the
+replica's request path on a real manager, the OpenAI service, the router's choices, offload
+shares, settings."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ from pydantic import ValidationError
 from transformers import GenerationConfig
 
 import cbserve
-from cbserve.cluster.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from cbserve.cluster.errors import APIError
-from cbserve.cluster.generation import ModelInfo, run_request
 from cbserve.cluster.offload import node_budget_gib, replicas_fitting
-from cbserve.cluster.openai_service import ChoiceStream, OpenAIService
-from cbserve.cluster.prefix import chat_routing_text, prefix_hashes
-from cbserve.cluster.protocol import WorkerRequest
-from cbserve.cluster.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.cluster.settings import ClusterArgs, CpuOffloadConfig
+from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from cbserve.serving.errors import APIError, openai_error, refusal
+from cbserve.serving.generation import ModelInfo, run_request
+from cbserve.serving.openai_service import OpenAIService
+from cbserve.serving.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.replies import ChoiceStream
+from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
 
 # ---- fixtures ---------------------------------------------------------------------------------
 
@@ -59,8 +61,7 @@ def manager(loaded: tuple[Any, Any, str]) -> Any:
 @pytest.fixture(scope="module")
 def info(loaded: tuple[Any, Any, str]) -> ModelInfo:
     model = loaded[0]
-    return ModelInfo(eos_token_id=model.config.eos_token_id, max_context=512,
-                     vocab_size=model.config.vocab_size, default_max_tokens=16)
+    return ModelInfo(eos_token_id=model.config.eos_token_id, max_context=512, default_max_tokens=16)
 
 
 def _run(coro: Any) -> Any:
@@ -198,8 +199,8 @@ def test_closing_the_stream_cancels_the_request(manager: Any, tokenizer: Any, in
 @pytest.mark.parametrize(
     ("fields", "needle", "param"),
     [
-        ({"prompt_ids": [1, 99999]}, "outside the vocabulary", "prompt"),
-        ({"prompt_ids": [-1, 2]}, "outside the vocabulary", "prompt"),
+        ({"prompt_ids": [1, 99999]}, "vocabulary", "prompt"),
+        ({"prompt_ids": [-1, 2]}, "vocabulary", "prompt"),
         ({"prompt": "hello", "max_tokens": 100_000}, "max_tokens", "max_tokens"),
         ({"prompt_ids": [5] * 600}, "context", "prompt"),
         ({"messages": [{"role": "user", "content": "hi " * 600}]}, "context", "messages"),
@@ -208,10 +209,12 @@ def test_closing_the_stream_cancels_the_request(manager: Any, tokenizer: Any, in
 def test_run_request_refuses_bad_input(
     manager: Any, tokenizer: Any, info: ModelInfo, fields: dict[str, Any], needle: str, param: str
 ) -> None:
-    """The error names the API field (OpenAI's `param`) as well as saying why."""
+    """The error carries the refused field, which the HTTP front maps to OpenAI's `param`; its
+    message says why and names the API field."""
     evs = _run(_events(manager, tokenizer, info, WorkerRequest(request_id="u-bad", **fields)))
     assert [ev.kind for ev in evs] == ["error"]
-    assert evs[0].status == 400 and needle in evs[0].message and evs[0].param == param
+    api = openai_error(refusal(evs[0]), "messages" if "messages" in fields else "prompt")
+    assert evs[0].status == 400 and needle in api.message and api.param == param
 
 
 # ---- the OpenAI service on a local manager ----------------------------------------------------
@@ -231,7 +234,7 @@ class LocalWorker:
         gen = run_request(self.manager, self.tokenizer, self.info, wreq, "local")
         first = await gen.__anext__()
         if first.kind == "error":
-            raise APIError(first.status, first.message, first.param)
+            raise refusal(first)
         return ChoiceStream(start=first, events=gen, cancel=lambda: asyncio.ensure_future(gen.aclose()))
 
 
@@ -305,7 +308,7 @@ def test_service_refuses_bad_requests(service: OpenAIService, req: CompletionReq
 
 def test_service_metrics_count_tokens_and_latency(manager: Any, tokenizer: Any, info: ModelInfo,
                                                   loaded: tuple[Any, Any, str]) -> None:
-    from cbserve.cluster.metrics import ServingMetrics
+    from cbserve.serving.metrics import ServingMetrics
 
     metrics = ServingMetrics("tiny")
     svc = OpenAIService(ClusterArgs(model=loaded[2], served_model_name="tiny"),

@@ -273,7 +273,7 @@ float32 = st.one_of(st.floats(width=32), st.sampled_from([math.nan, math.inf, -m
 
 @st.composite
 def grpc_requests(draw: Callable[..., Any]) -> Any:
-    from cbserve.cluster.protos import generate_pb2 as pb
+    from cbserve.serving.protos import generate_pb2 as pb
 
     valid_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=16)
     req = pb.GenerateRequest(model=draw(st.one_of(st.just(""), st.just(MODEL), valid_text)))
@@ -305,7 +305,7 @@ def grpc_requests(draw: Callable[..., Any]) -> Any:
 def test_grpc_random_requests(still_serving: dict[str, Any], request: Any) -> None:
     import grpc
 
-    from cbserve.cluster.protos import generate_pb2_grpc
+    from cbserve.serving.protos import generate_pb2_grpc
 
     stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(f"127.0.0.1:{still_serving['grpc']}"))
     try:

@@ -1,6 +1,6 @@
 """Security: the API key guards every route but `/health` (`/metrics` too, with
 `metrics_require_api_key`), unknown routes and gRPC included, and a refusal tells an
-unauthenticated client nothing; no code in the cluster package evaluates or unpickles data; a chat
+unauthenticated client nothing; no code in the serving, cluster or batch packages evaluates or unpickles data; a chat
 message is data, never template code. One local Ray and one Serve app (key set) for the module.
 """
 
@@ -17,7 +17,9 @@ from conftest_cluster import serve_app, tiny_model_dir
 
 API_KEY = "s3cret-key-for-tests"
 MODEL = "tiny"
-CLUSTER_PACKAGE = Path(__file__).resolve().parents[1] / "cbserve" / "cluster"
+PACKAGE = Path(__file__).resolve().parents[1] / "cbserve"
+# Where client bytes arrive (HTTP, gRPC, batch lines) and go (engine replicas).
+CLIENT_PACKAGES = [PACKAGE / "serving", PACKAGE / "cluster", PACKAGE / "batch"]
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "the sea", "max_tokens": 2, "temperature": 0}).encode()
 CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
@@ -72,13 +74,15 @@ _DANGEROUS = re.compile(
 
 def test_no_code_evaluates_or_unpickles_data() -> None:
     hits = []
-    for path in sorted(CLUSTER_PACKAGE.rglob("*.py")):
+    paths = sorted(p for package in CLIENT_PACKAGES for p in package.rglob("*.py"))
+    assert len(paths) > 20
+    for path in paths:
         if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
             continue  # generated protobuf stubs
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if _DANGEROUS.search(code):
-                hits.append(f"{path.relative_to(CLUSTER_PACKAGE)}:{n}: {line.strip()}")
+                hits.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
     assert not hits, "review these for client data reaching them:\n" + "\n".join(hits)
 
 
@@ -177,7 +181,7 @@ def test_health_is_open_and_says_nothing_more(cluster: dict[str, Any]) -> None:
 def test_grpc_needs_the_key_and_leaks_nothing(cluster: dict[str, Any]) -> None:
     import grpc
 
-    from cbserve.cluster.protos import generate_pb2, generate_pb2_grpc
+    from cbserve.serving.protos import generate_pb2, generate_pb2_grpc
 
     stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(f"127.0.0.1:{cluster['grpc']}"))
     request = generate_pb2.GenerateRequest(model="not-the-model", prompt="the sea",

@@ -1,7 +1,7 @@
 """`build_app(args)`: the Serve application of `ray_config.yaml` (`import_path: cbserve.cluster.app:build_app`).
 
-    ingress (FastAPI + gRPC)  --handle, PrefixAffinityRouter-->  LLMWorker replicas (one manager each)
-            \\--> StatsBoard <-- workers push their engine stats
+    ingress (FastAPI + gRPC)  --handle, PrefixAffinityRouter-->  engine replicas (one manager each;
+            \\--> StatsBoard <-- replicas push their engine stats     the `LLMWorker` deployment)
 
 Every field of `args` is documented on `ClusterArgs` (`settings.py`) and in the README.
 """
@@ -15,15 +15,15 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from cbserve.cluster.engine_replica import DEPLOYMENT_NAME, EngineReplica
 from cbserve.cluster.ingress import OpenAIIngress
+from cbserve.cluster.ray_compat import DEFAULT_ROUTER_CLASS
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.cluster.stats_board import StatsBoard
-from cbserve.cluster.worker import LLMWorker
 
 logger = logging.getLogger(__name__)
 
 ROUTER_CLASS = "cbserve.cluster.router:PrefixAffinityRouter"
-DEFAULT_ROUTER_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 def worker_options(args: ClusterArgs) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
         request_routing_stats_timeout_s=max(routing.stats_period_s, 5.0),
     )
     opts: dict[str, Any] = {
-        "name": "LLMWorker",
+        "name": DEPLOYMENT_NAME,
         "max_ongoing_requests": w.max_ongoing_requests,
         # Overload: beyond max_ongoing_requests x replicas, each caller queues at most this many;
         # more get BackPressureError at once (the ingress turns it into a 503/429 with Retry-After).
@@ -71,15 +71,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     plain = cfg.model_dump(mode="json")
     board = serve.deployment(StatsBoard).options(
         name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
-        logging_config={"enable_access_log": False},  # workers report every stats period
+        logging_config={"enable_access_log": False},  # replicas report every stats period
     ).bind()
-    worker = serve.deployment(LLMWorker).options(**worker_options(cfg)).bind(plain, board)
+    replicas = serve.deployment(EngineReplica).options(**worker_options(cfg)).bind(plain, board)
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
-    ).bind(worker, board, plain)
+    ).bind(replicas, board, plain)
     logger.info("cbserve app: model %s, tp_size %d, worker %s", cfg.model_name, cfg.tp_size,
                 cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)")
     return ingress

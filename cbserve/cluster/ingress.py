@@ -2,8 +2,9 @@
 
 HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics`. Every refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
-`protos/generate.proto`, reached through Serve's gRPC proxy, which calls the method of the same
-name here.
+`cbserve/serving/protos/generate.proto`, reached through Serve's gRPC proxy, which calls the
+method of the same name here. The protocol itself (bodies, choices, replies) is in
+`cbserve.serving`; this module adds Ray: the handle to the engine replicas and its failures.
 
 With an API key, every route but `/health` needs it (`/metrics` too when
 `metrics_require_api_key`), unknown routes included: without the key a client learns nothing
@@ -13,33 +14,28 @@ or evaluated.
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cbserve.cluster.errors import APIError
-from cbserve.cluster.metrics import ServingMetrics
-from cbserve.cluster.openai_service import ChoiceStream, OpenAIService, Reply
-from cbserve.cluster.protocol import WorkerRequest
-from cbserve.cluster.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    find_invalid_json_text,
-)
+from cbserve.cluster.ray_compat import backpressure, serve_http_host
 from cbserve.cluster.settings import ClusterArgs
+from cbserve.errors import InvalidRequestError
+from cbserve.serving import grpc_service
+from cbserve.serving.errors import APIError, refusal
+from cbserve.serving.json_body import parse_request
+from cbserve.serving.metrics import ServingMetrics
+from cbserve.serving.openai_service import OpenAIService, Reply
+from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.replies import ChoiceStream
+from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
 
@@ -53,34 +49,6 @@ app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None)
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail)).response()
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _field_path(loc: tuple[Any, ...]) -> str | None:
-    """`prompt.list[int].0` -> `prompt.0`: pydantic's union-member tags are not field names."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
-    return ".".join(parts) or None
-
-
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    param = _field_path(tuple(errors[0].get("loc", ())))
-    # A union (e.g. `prompt`) fails once per accepted form: say so, rather than quote one form.
-    same = [e for e in errors if _field_path(tuple(e.get("loc", ())))
-            and (_field_path(tuple(e.get("loc", ()))) or "").startswith(param or "\0")]
-    msgs = list(dict.fromkeys(str(e.get("msg")) for e in same)) or [str(errors[0].get("msg"))]
-    text = msgs[0] if len(msgs) == 1 else "matches none of the accepted forms: " + "; ".join(msgs)
-    return (f"{param}: {text}" if param else text)[:1000], param
-
-
-def _backpressure(exc: BaseException) -> BackPressureError | None:
-    """The BackPressureError behind `exc` (raised by the handle, or wrapped by Ray), if any."""
-    for e in (exc, getattr(exc, "cause", None), exc.__cause__):
-        if isinstance(e, BackPressureError):
-            return e
-    return None
 
 
 def _cancel_quietly(gen: Any) -> None:
@@ -103,22 +71,18 @@ def _declared_routes(router: Any) -> Iterator[Any]:
             yield route
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _open_error(exc: BaseException) -> APIError:
     """A failure to reach a worker, as the client should see it."""
     if isinstance(exc, APIError):
         return exc
-    full = _backpressure(exc)
+    full = backpressure(exc)
     if full is not None:
-        # Every worker replica has max_ongoing_requests and this ingress's queue for them is
+        # Every engine replica has max_ongoing_requests and this ingress's queue for them is
         # full: refuse now rather than let requests pile up (memory, latency).
         return APIError(
-            getattr(full, "_status_code", 503),
+            full.status_code,
             "The server is overloaded (all workers busy and the queue full); retry after a short wait.",
-            code="overloaded", retry_after_s=getattr(full, "_retry_after_s", None),
+            code="overloaded", retry_after_s=full.retry_after_s,
         )
     logger.warning("worker call failed: %r", exc)
     return APIError(503, f"no worker could serve the request: {type(exc).__name__}")
@@ -128,10 +92,10 @@ def _open_error(exc: BaseException) -> APIError:
 class OpenAIIngress:
     """Serve ingress (made a deployment in `app.py`)."""
 
-    def __init__(self, worker: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
+    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
         self.args = ClusterArgs(**args)
-        self._worker = worker
-        self._stream_worker = worker.options(stream=True, method_name="generate")
+        self._replicas = replicas  # the engine replicas' deployment
+        self._generate = replicas.options(stream=True, method_name="generate")
         self._board = board
         self._api_key = self.args.resolved_api_key()
         self.metrics = ServingMetrics(self.args.model_name)
@@ -140,14 +104,7 @@ class OpenAIIngress:
             self._warn_if_exposed()
 
     def _warn_if_exposed(self) -> None:
-        try:
-            import ray
-            from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-            host = ray.get(controller.get_http_config.remote(), timeout=10).host
-        except Exception:  # noqa: BLE001 - the warning is advisory; never fail startup over it
-            host = None
+        host = serve_http_host()
         if host not in LOOPBACK_HOSTS:
             logger.warning(
                 "No API key is set (args.api_key or $CBSERVE_API_KEY) and HTTP is bound to %r: "
@@ -159,7 +116,7 @@ class OpenAIIngress:
     async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
         try:
             # .remote() itself raises BackPressureError when the queue for the workers is full.
-            gen = self._stream_worker.remote(wreq)
+            gen = self._generate.remote(wreq)
         except Exception as exc:
             raise _open_error(exc) from exc
         try:
@@ -173,7 +130,7 @@ class OpenAIIngress:
             _cancel_quietly(gen)
             raise _open_error(exc) from exc
         if first.kind == "error":
-            raise APIError(first.status or 500, first.message, first.param)
+            raise refusal(first)
         return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
 
     def _authorized(self, presented: str | None) -> bool:
@@ -190,7 +147,7 @@ class OpenAIIngress:
             raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                            code="invalid_api_key")
 
-    async def _read_json(self, request: Request) -> Any:
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.args.limits.max_body_bytes
         declared = request.headers.get("content-length")
         too_big = APIError(413, f"request body is larger than the limit of {limit} bytes", code="body_too_large")
@@ -201,18 +158,7 @@ class OpenAIIngress:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        try:
-            # NaN / Infinity are not JSON (Python's parser would accept them).
-            data = json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
-        except RecursionError:
-            raise APIError(400, "We could not parse the JSON body of your request: nested too deeply") from None
-        problem = find_invalid_json_text(data)
-        if problem is not None:
-            message, param = problem
-            raise APIError(400, message, param)
-        return data
+        return bytes(body)
 
     def _error(self, exc: APIError) -> JSONResponse:
         self.metrics.http_errors.labels(self.metrics.model_name, str(exc.status)).inc()
@@ -222,12 +168,7 @@ class OpenAIIngress:
         arrival = time.perf_counter()
         try:
             self._check_auth(request)
-            data = await self._read_json(request)
-            try:
-                req = schema.model_validate(data)
-            except ValidationError as exc:
-                message, param = _validation_message(exc)
-                raise APIError(400, message, param) from None
+            req = parse_request(await self._read_body(request), schema)
             reply: Reply = await run(req, arrival)
         except APIError as exc:
             return self._error(exc)
@@ -262,9 +203,9 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> Response:
         try:
-            await asyncio.wait_for(self._worker.ping.remote(), timeout=10)
+            await asyncio.wait_for(self._replicas.ping.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            if _backpressure(exc) is not None:
+            if backpressure(exc) is not None:
                 # Saturated, not broken: a failing health check would take the server out of a
                 # load balancer exactly when it is busiest.
                 return JSONResponse({"status": "ok", "overloaded": True})
@@ -307,47 +248,20 @@ class OpenAIIngress:
     # -- gRPC -----------------------------------------------------------------------------------
 
     async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
-        from cbserve.cluster import grpc_service
-        from cbserve.cluster.protos import generate_pb2
-
         arrival = time.perf_counter()
+        stream = await self._open_grpc(request, grpc_context)
+        timer = self.metrics.timer(arrival, stream.start.prompt_tokens)
+        async for message in grpc_service.replies(stream, timer, grpc_context):
+            yield message
+
+    async def _open_grpc(self, request: Any, grpc_context: Any) -> ChoiceStream:
+        """The accepted choice of a `GenerateRequest`; a refusal ends the call with its status."""
         metadata = dict(grpc_context.invocation_metadata() or [])
+        wreq = None
         try:
             if not self._authorized(metadata.get("authorization")):
                 raise APIError(401, "Incorrect or missing API key: send metadata `authorization: Bearer <key>`.")
             wreq = grpc_service.to_worker_request(request, self.service)
-            stream = await self._open_choice(wreq)
-        except APIError as exc:
-            code = grpc_service.grpc_status(exc.status)
-            if exc.code == "overloaded":  # as Serve maps backpressure on its own gRPC path
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            grpc_service.abort(grpc_context, code, exc.message)
-        timer = self.metrics.timer(arrival, stream.start.prompt_tokens)
-        try:
-            yield generate_pb2.GenerateResponse(prompt_tokens=stream.start.prompt_tokens,
-                                                replica=stream.start.replica or "")
-            try:
-                async for ev in stream.events:
-                    if ev.kind == "delta":
-                        timer.on_tokens(len(ev.token_ids))
-                        yield grpc_service.delta_message(ev)
-                    elif ev.kind == "end" and ev.finish_reason != "abort":
-                        timer.on_end(ev.finish_reason or "stop")
-                        yield generate_pb2.GenerateResponse(finish_reason=ev.finish_reason or "stop",
-                                                            completion_tokens=ev.completion_tokens)
-                        return
-                    else:
-                        code = grpc.StatusCode.UNAVAILABLE if ev.kind == "end" else grpc_service.grpc_status(ev.status)
-                        grpc_service.abort(grpc_context, code, ev.message or "the request was cancelled by the server")
-            except grpc_service.GrpcAbort:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the worker died mid-stream: a status, not UNKNOWN
-                logger.warning("a worker failed mid-request: %r", exc)
-                grpc_service.abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
-                                   f"the worker serving this request failed before the request finished "
-                                   f"({type(exc).__name__})")
-            # The events stopped without an end event: never let that look like a finished stream.
-            grpc_service.abort(grpc_context, grpc.StatusCode.UNAVAILABLE,
-                               "the worker stopped before the request finished")
-        finally:
-            stream.cancel()
+            return await self._open_choice(wreq)
+        except (APIError, InvalidRequestError) as exc:
+            grpc_service.abort_with(grpc_context, exc, wreq)

@@ -1,23 +1,24 @@
-"""Ray Serve request router for worker replicas: prefix affinity, then least outstanding requests.
+"""Ray Serve request router for engine replicas: prefix affinity, then least outstanding requests.
 
-It runs inside every process that holds a handle to the worker deployment (the ingress
-replicas). For each request it looks up the longest prompt prefix (see `prefix.py`) that it
+It runs inside every process that holds a handle to the engine replicas' deployment (the ingress
+replicas). For each request it looks up the longest prompt prefix (see `serving/prefix.py`) that it
 routed before, and prefers the replica that served it, whose prefix cache then hits. It leaves
 that replica when its queue is longer than the shortest queue by more than
 `imbalance_threshold`, or when the prompt shares no known prefix, and then picks the replica with
 the fewest outstanding requests (Serve's queue lengths, which it probes or caches), breaking ties
-by the KV-cache usage the replicas report as routing stats (`LLMWorker.record_routing_stats`).
+by the KV-cache usage the replicas report as routing stats (`EngineReplica.record_routing_stats`).
+Serve's private parts it needs (queue lengths, matching a replica to its request) are in
+`ray_compat.CompatRouter`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-logger = logging.getLogger(__name__)
+from cbserve.cluster.ray_compat import CompatRouter
 
 
 def _request_hashes(pending_request: PendingRequest | None) -> list[int]:
@@ -30,7 +31,7 @@ def _request_hashes(pending_request: PendingRequest | None) -> list[int]:
     return []
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(CompatRouter):
     def initialize_state(self, imbalance_threshold: int = 4, table_size: int = 100_000, **_: Any) -> None:
         self._imbalance_threshold = imbalance_threshold
         self._table_size = table_size
@@ -47,21 +48,6 @@ class PrefixAffinityRouter(RequestRouter):
                 return owner
         return None
 
-    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        lens: dict[ReplicaID, int] = {}
-        missing: list[RunningReplica] = []
-        for r in replicas:
-            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            if q is None:
-                missing.append(r)
-            else:
-                lens[r.replica_id] = q
-        if missing:
-            for r, q in await self._probe_queue_lens(missing, 0):
-                if q is not None:
-                    lens[r.replica_id] = q
-        return lens
-
     @staticmethod
     def _kv_usage(replica: RunningReplica) -> float:
         stats = replica.routing_stats or {}
@@ -75,7 +61,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id: r for r in candidate_replicas}
-        lens = await self._queue_lens(candidate_replicas)
+        lens = await self.queue_lens(candidate_replicas)
         # Replicas that did not answer the probe go last; the rest by load, then KV usage.
         by_load = sorted(
             candidate_replicas,
@@ -89,23 +75,6 @@ class PrefixAffinityRouter(RequestRouter):
         # The least loaded alone first (Serve would break ties in probe-completion order), then
         # the rest in order of load, in case it refuses (full).
         return [by_load[:1], by_load]
-
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
-        """Give `replica` to the very request it was chosen for.
-
-        Serve's base router matches by internal request id, which every handle call made while
-        serving one parent request inherits: the ingress's `n` choices (or batched prompts) share
-        it, so all but one would wait forever. Match the request's own metadata object instead.
-        """
-        if request_metadata is not None:
-            for pr in self._pending_requests_to_fulfill:
-                if pr.metadata is request_metadata and not pr.future.done():
-                    self._cancel_routing_task_for_pending_request(pr)
-                    self._record_queue_wait_time(pr)
-                    pr.future.set_result(replica)
-                    self._remove_pending_request_from_indices(pr)
-                    return
-        super()._fulfill_next_pending_request(replica, request_metadata)
 
     # -- learning -----------------------------------------------------------------------------
 

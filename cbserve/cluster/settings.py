@@ -1,55 +1,22 @@
-"""The `args` of `build_app`: one validated pydantic model, read from `ray_config.yaml`."""
+"""The `args` of `build_app`: one validated pydantic model, read from `ray_config.yaml`.
+
+The serving parts (generation defaults, limits, routing) are defined in `cbserve.serving.settings`.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-logger = logging.getLogger(__name__)
+from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 API_KEY_ENV = "CBSERVE_API_KEY"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GenerationDefaults(_Strict):
-    """Used when a request leaves a field out."""
-
-    max_tokens: int = Field(256, ge=1, description="max_tokens when the request gives none")
-    temperature: float = Field(1.0, ge=0.0, description="OpenAI's default is 1.0")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
-
-
-class LimitsConfig(_Strict):
-    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
-    max_n: int = Field(8, ge=1, description="largest `n` (choices per prompt)")
-    max_prompts: int = Field(64, ge=1, description="largest batch of prompts in one completions call")
-    max_stop: int = Field(8, ge=0, description="most stop strings per request")
-
-
-class RoutingConfig(_Strict):
-    """Prefix affinity, then least outstanding requests (see `router.py`)."""
-
-    enabled: bool = Field(True, description="False: Serve's default power-of-two-choices router")
-    imbalance_threshold: int = Field(
-        4, ge=0, description="leave the affine replica when its queue exceeds the shortest by more than this"
-    )
-    chunk_chars: int = Field(128, ge=8, description="characters per hashed prefix chunk of a text prompt")
-    chunk_tokens: int = Field(32, ge=1, description="tokens per hashed prefix chunk of a token-id prompt")
-    max_chunks: int = Field(64, ge=1, description="prefix chunks hashed per request")
-    table_size: int = Field(100_000, ge=1, description="prefix hashes remembered by each router (LRU)")
-    stats_period_s: float = Field(1.0, gt=0.0, description="how often replicas report routing stats")
-
-
-class CpuOffloadConfig(_Strict):
+class CpuOffloadConfig(Strict):
     """Host memory (GiB) that KV pages are evicted to, set per node and shared by its replicas."""
 
     per_node_gib: float = Field(0.0, ge=0.0, description="default budget of every node; 0 disables")
@@ -66,7 +33,7 @@ class CpuOffloadConfig(_Strict):
         return v
 
 
-class WorkerConfig(_Strict):
+class WorkerConfig(Strict):
     num_replicas: int = Field(1, ge=1, description="fixed replica count when autoscaling is null")
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config: min_replicas, max_replicas, target_ongoing_requests, ..."
@@ -103,7 +70,7 @@ class WorkerConfig(_Strict):
         return v
 
 
-class ClusterArgs(_Strict):
+class ClusterArgs(Strict):
     """Every field of `applications[].args` in `ray_config.yaml`."""
 
     model: str | None = Field(None, description="HF id or local folder; null = the default model")

@@ -1,4 +1,9 @@
-"""What the ingress sends a worker replica, and what the worker streams back."""
+"""What a front sends an engine replica, and what the replica streams back.
+
+`WorkerRequest` carries values, not rules: sampling ranges, token ids and lengths are checked
+once, by the engine, which raises `cbserve.errors.InvalidRequestError` naming its argument; the
+replica streams that back as an `error` event whose `field` each front maps to its own name.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,10 @@ class WorkerRequest(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     prompt_ids: list[int] | None = None
-    max_tokens: int | None = Field(None, ge=1, description="None: the deployment default, capped by context")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    max_tokens: int | None = Field(None, description="None: the deployment default, capped by context")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     logprobs: bool = False
@@ -53,4 +58,4 @@ class WorkerEvent(BaseModel):
     # error
     status: int = 0
     message: str = ""
-    param: str | None = None
+    field: str | None = None  # set on a refused request (400): the InvalidRequestError's field

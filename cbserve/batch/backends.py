@@ -1,70 +1,31 @@
 """Where a batch job's requests run: a pool of engine actors started by the job, or a running Serve app.
 
-Both run a request through the same path as the Serve worker (`LLMWorker.generate`: tokenize,
-check against the model's context, submit to the manager, detokenize, stop strings) and collect
-its `WorkerEvent`s into an `Outcome`:
+Both run a request through the same path as a Serve engine replica (`EngineReplica.generate`:
+tokenize, submit to the manager, detokenize, stop strings) and fold its `WorkerEvent`s into a
+`ChoiceResult` (`cbserve.serving.replies.fold`, the fold every front uses):
 
-- `EnginePool`: `replicas` Ray actors, each owning an `LLMWorker` (one model and one
+- `EnginePool`: `replicas` Ray actors, each owning an `EngineReplica` (one model and one
   continuous-batching manager); a request goes to the actor with the fewest in flight and its
-  events are collected inside the actor, so one Ray call carries one whole result.
-- `ServeBackend`: the `LLMWorker` deployment of a running Serve app, through a deployment handle
-  (`handle.options(stream=True).generate`); Serve's request router (prefix affinity, least
-  outstanding requests) picks the replica.
+  events are folded inside the actor, so one Ray call carries one whole result.
+- `ServeBackend`: the engine replicas (`LLMWorker` deployment) of a running Serve app, through a
+  deployment handle (`handle.options(stream=True).generate`); Serve's request router (prefix
+  affinity, least outstanding requests) picks the replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
+from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.replies import ChoiceResult, fold
 
 logger = logging.getLogger(__name__)
-
-NO_CHAT_TEMPLATE = "messages: this model has no chat template"  # the worker's refusal (generation.py)
-WORKER_DEPLOYMENT = "LLMWorker"
 
 
 class RetryableError(Exception):
     """The request may succeed if sent again (a replica died, was draining, or was unreachable)."""
-
-
-@dataclass
-class Outcome:
-    """A request's result, or its error (`status` as HTTP: 400 for a bad request, 5xx for the engine)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    status: int = 0
-
-
-async def collect_events(events: AsyncIterator[WorkerEvent]) -> Outcome:
-    """Fold a worker's event stream (`start`, `delta`s, then `end` or `error`) into one `Outcome`."""
-    out = Outcome()
-    parts: list[str] = []
-    async for ev in events:
-        if ev.kind == "start":
-            out.prompt_tokens = ev.prompt_tokens
-        elif ev.kind == "delta":
-            parts.append(ev.text)
-            out.token_ids.extend(ev.token_ids)
-        elif ev.kind == "end":
-            out.text = "".join(parts)
-            out.finish_reason = ev.finish_reason
-            out.completion_tokens = ev.completion_tokens
-            return out
-        elif ev.kind == "error":
-            out.error, out.status = ev.message, ev.status
-            return out
-    return Outcome(error="the worker ended the stream without finishing the request", status=500)
 
 
 class Backend(Protocol):
@@ -74,7 +35,7 @@ class Backend(Protocol):
 
     async def start(self) -> None: ...
 
-    async def run(self, req: WorkerRequest) -> Outcome: ...
+    async def run(self, req: WorkerRequest) -> ChoiceResult: ...
 
     async def close(self) -> None: ...
 
@@ -83,30 +44,23 @@ class Backend(Protocol):
 
 
 class EngineActor:
-    """A Ray actor (made one in `EnginePool.start`) owning one `LLMWorker`."""
+    """A Ray actor (made one in `EnginePool.start`) owning one `EngineReplica`."""
 
     def __init__(self, args: dict[str, Any]):
-        from cbserve.cluster.worker import LLMWorker
+        from cbserve.cluster.engine_replica import EngineReplica
 
-        self._worker = LLMWorker(args)
+        self._replica = EngineReplica(args)
 
     def info(self) -> dict[str, Any]:
-        ranks = self._worker.ranks
-        return {
-            "has_chat_template": getattr(self._worker.tokenizer, "chat_template", None) is not None,
-            "tp_ranks": 1 + (len(ranks.actors) if ranks is not None else 0),
-        }
+        return self._replica.describe()
 
-    async def run(self, req: WorkerRequest) -> Outcome:
-        return await collect_events(self._worker.generate(req))
-
-    def stats(self) -> dict[str, Any]:
-        return self._worker.stats()
+    async def run(self, req: WorkerRequest) -> ChoiceResult:
+        return await fold(self._replica.generate(req))
 
 
 class EnginePool:
     """`replicas` engine actors; with `tp_size > 1`, each in a placement group of `tp_size` bundles
-    on one node (STRICT_PACK), like a Serve worker replica: the actor is rank 0 in bundle 0 and
+    on one node (STRICT_PACK), like a Serve engine replica: the actor is rank 0 in bundle 0 and
     starts the other ranks in the other bundles (`cluster/tp_ranks.py`)."""
 
     def __init__(
@@ -182,7 +136,7 @@ class EnginePool:
         self.has_chat_template = bool(infos[0]["has_chat_template"])
         self.engines = list(infos)
 
-    async def run(self, req: WorkerRequest) -> Outcome:
+    async def run(self, req: WorkerRequest) -> ChoiceResult:
         from ray.exceptions import RayActorError
 
         i = min(range(len(self._actors)), key=self._in_flight.__getitem__)
@@ -193,9 +147,6 @@ class EnginePool:
             raise RetryableError(f"engine actor {i} failed: {type(exc).__name__}") from exc
         finally:
             self._in_flight[i] -= 1
-
-    async def stats(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(a.stats.remote() for a in self._actors)))
 
     async def close(self) -> None:
         import ray
@@ -224,6 +175,8 @@ class ServeBackend:
         from ray.serve.exceptions import RayServeException
         from ray.serve.schema import ApplicationStatus
 
+        from cbserve.cluster.engine_replica import DEPLOYMENT_NAME
+
         try:
             apps = serve.status().applications
         except RayServeException as exc:
@@ -234,9 +187,9 @@ class ServeBackend:
                 f"(running: {sorted(apps) or 'none'})"
             )
         app = apps[self._app]
-        if WORKER_DEPLOYMENT not in app.deployments:
+        if DEPLOYMENT_NAME not in app.deployments:
             raise RuntimeError(
-                f"--serve-app: application {self._app!r} has no {WORKER_DEPLOYMENT} deployment "
+                f"--serve-app: application {self._app!r} has no {DEPLOYMENT_NAME} deployment "
                 f"(it has {sorted(app.deployments)}); is it a cbserve app?"
             )
         if app.status != ApplicationStatus.RUNNING:
@@ -245,33 +198,24 @@ class ServeBackend:
     async def start(self) -> None:
         from ray import serve
 
+        from cbserve.cluster.engine_replica import DEPLOYMENT_NAME
+
         self._check_app()
-        handle = serve.get_deployment_handle(WORKER_DEPLOYMENT, app_name=self._app)
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=self._app)
         self._stream = handle.options(stream=True, method_name="generate")
-        self.has_chat_template = await self._probe_chat_template()
+        try:
+            described = await handle.describe.remote()
+        except Exception as exc:
+            raise RuntimeError(f"Serve application {self._app!r} did not answer: {exc}") from exc
+        self.has_chat_template = bool(described["has_chat_template"])
         self.engines = [{"serve_app": self._app, "has_chat_template": self.has_chat_template}]
         logger.info(
             "sending requests to Serve application %r (chat template: %s)", self._app, self.has_chat_template
         )
 
-    async def _probe_chat_template(self) -> bool:
-        """Whether the app's model has a chat template: one 1-token chat request tells."""
-        probe = WorkerRequest(
-            request_id=f"batch-probe-{uuid.uuid4().hex[:12]}",
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=1,
-            temperature=0.0,
-        )
-        out = await self.run(probe)
-        if out.error is None:
-            return True
-        if out.status == 400 and out.error.startswith(NO_CHAT_TEMPLATE):
-            return False
-        raise RuntimeError(f"the probe request to Serve application {self._app!r} failed: {out.error}")
-
-    async def run(self, req: WorkerRequest) -> Outcome:
+    async def run(self, req: WorkerRequest) -> ChoiceResult:
         try:
-            return await collect_events(self._stream.remote(req))
+            return await fold(self._stream.remote(req))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the replica died, backpressure, the deployment is unavailable...

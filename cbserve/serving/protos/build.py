@@ -1,8 +1,8 @@
-"""Regenerate the gRPC stubs next to `generate.proto`: `python -m cbserve.cluster.protos.build`.
+"""Regenerate the gRPC stubs next to `generate.proto`: `python -m cbserve.serving.protos.build`.
 
 Needs `grpcio-tools` (a dev dependency); the stubs it writes require at least the `protobuf` and
 `grpcio` versions of the `grpcio-tools` that made them (their headers name them). Runs `grpc_tools.protoc` from the repository root so
-the generated code imports `cbserve.cluster.protos.generate_pb2` by its package path.
+the generated code imports `cbserve.serving.protos.generate_pb2` by its package path.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-PROTO = "cbserve/cluster/protos/generate.proto"
+PROTO = "cbserve/serving/protos/generate.proto"
 
 
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
     rc = protoc.main(args)
     if rc == 0:  # generated code is not ours to lint
         for name in ("generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py"):
-            path = ROOT / "cbserve/cluster/protos" / name
+            path = ROOT / "cbserve/serving/protos" / name
             path.write_text("# ruff: noqa\n" + path.read_text())
     return rc
 

@@ -1,7 +1,12 @@
 """OpenAI wire schemas (the subset this server implements), as pydantic models.
 
 Requests accept and ignore unknown fields, like OpenAI's own server; fields this server cannot
-honour are refused with a 400 naming the field (see `ingress_logic.check_unsupported`).
+honour are refused with a 400 naming the field (see `openai_service.py`).
+
+The ranges below are OpenAI's documented wire contract (temperature in [0, 2], top_p in (0, 1],
+n >= 1, ...), refused while parsing with the JSON path of the field, before any choice is sent
+to a replica. What the engine itself can hold (token ids in its vocabulary, top_k and seed sizes,
+max_tokens against the context) is checked by the engine only.
 """
 
 from __future__ import annotations
@@ -12,50 +17,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-# Largest values the engine can hold (torch int64 / a torch.Generator seed); beyond them a request
-# would fail inside a batch step instead of at the door.
-MAX_TOP_K = 2**31 - 1
+# OpenAI's seed is an int64; each choice samples with seed + its index.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-MAX_JSON_DEPTH = 64
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _is_surrogate_free(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def find_invalid_json_text(data: Any) -> tuple[str, str] | None:
-    """(message, field) for the first string of a parsed JSON body that is not valid Unicode (a
-    lone surrogate such as "\\ud800", which JSON's escapes allow), or for nesting deeper than
-    MAX_JSON_DEPTH; None when the body is fine. Iterative, so any depth is safe to walk."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            top = path.split("[")[0].split(".")[0] or "body"  # the top-level field, not 64 levels of it
-            return f"{top}: JSON nested deeper than {MAX_JSON_DEPTH} levels", top
-        if isinstance(value, str):
-            if not _is_surrogate_free(value):
-                where = path or "body"
-                message = f"{where}: the text contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode"
-                return message, where
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                sub = f"{path}.{key}" if path else str(key)
-                if not _is_surrogate_free(key):
-                    message = f"{path or 'body'}: a key contains a lone UTF-16 surrogate, which is not valid Unicode"
-                    return message, path or "body"
-                stack.append((item, sub, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
-    return None
 
 
 class StreamOptions(BaseModel):
@@ -72,7 +39,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
-    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, strict=True, description="extension, as in vLLM; 0 = off")
+    top_k: int | None = Field(None, ge=0, strict=True, description="extension, as in vLLM; 0 = off")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX - 64, strict=True)  # room for seed + choice
     n: int = Field(1, ge=1, strict=True)
     stop: str | list[str] | None = None

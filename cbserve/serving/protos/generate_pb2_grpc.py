@@ -4,7 +4,7 @@
 import grpc
 import warnings
 
-from cbserve.cluster.protos import generate_pb2 as cbserve_dot_cluster_dot_protos_dot_generate__pb2
+from cbserve.serving.protos import generate_pb2 as cbserve_dot_serving_dot_protos_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in cbserve/cluster/protos/generate_pb2_grpc.py depends on'
+        + ' but the generated code in cbserve/serving/protos/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/cbserve.generate.GenerateService/Generate',
-                request_serializer=cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -56,8 +56,8 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -85,8 +85,8 @@ class GenerateService:
             request,
             target,
             '/cbserve.generate.GenerateService/Generate',
-            cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-            cbserve_dot_cluster_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+            cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
+            cbserve_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""The worker deployment: each replica owns one model and one continuous-batching manager.
+"""The engine replica: each replica of the `LLMWorker` deployment owns one model and one
+continuous-batching manager. The batch job's engine actors own one too (`cbserve/batch`).
 
 With `tp_size > 1` the replica is rank 0 of a tensor-parallel group whose other ranks are Ray
 actors in the replica's placement group (`tp_ranks.py`).
@@ -18,14 +19,17 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cbserve.cluster.generation import ModelInfo, run_request
-from cbserve.cluster.metrics import kv_usage
 from cbserve.cluster.offload import offload_share_gib
-from cbserve.cluster.protocol import WorkerEvent, WorkerRequest
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
+from cbserve.serving.generation import ModelInfo, run_request
+from cbserve.serving.metrics import kv_usage
+from cbserve.serving.protocol import WorkerEvent, WorkerRequest
 
 logger = logging.getLogger(__name__)
+
+# The deployment's name, as `serve status`, handles and the batch job's `--serve-app` see it.
+DEPLOYMENT_NAME = "LLMWorker"
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
@@ -44,7 +48,26 @@ def per_replica_resources(args: ClusterArgs) -> dict[str, float]:
     return {"CPU": w.num_cpus * args.tp_size, "GPU": w.num_gpus * args.tp_size}
 
 
-class LLMWorker:
+def engine_config(args: ClusterArgs) -> dict[str, Any]:
+    """`ContinuousBatchingConfig` fields of one replica: `args.engine` and what the cluster sets."""
+    tp = args.tp_size
+    offload = offload_share_gib(args.cpu_offload, per_replica_resources(args), max_replicas(args))
+    if tp > 1 and offload > 0:
+        logger.warning("CPU offload is off with tp_size > 1 (the engine does not offload across ranks)")
+        offload = 0.0
+    engine = dict(args.engine)
+    engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
+    return engine
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - constructed outside Serve (tests, batch engine actors)
+        return "local"
+
+
+class EngineReplica:
     """Wrapped with `serve.deployment` in `app.py` (options come from `ClusterArgs`)."""
 
     def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
@@ -55,21 +78,12 @@ class LLMWorker:
         self.args = ClusterArgs(**args)
         self._board = board
         self.ranks: RankGroup | None = None
-        try:
-            self.replica = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - constructed outside Serve (tests)
-            self.replica = "local"
-        tp = self.args.tp_size
-        offload = offload_share_gib(self.args.cpu_offload, per_replica_resources(self.args), max_replicas(self.args))
-        if tp > 1 and offload > 0:
-            logger.warning("CPU offload is off with tp_size > 1 (the engine does not offload across ranks)")
-            offload = 0.0
-        engine = dict(self.args.engine)
-        engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
-        if tp > 1:  # the other ranks load their copy while this one does
+        self.replica = _replica_id()
+        engine = engine_config(self.args)
+        if self.args.tp_size > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
-            self.ranks = RankGroup(self.args.model, self.args.dtype, tp, engine, w.num_cpus, w.num_gpus,
-                                   name=None if self.replica == "local" else f"cbserve-{self.replica}")
+            self.ranks = RankGroup(self.args.model, self.args.dtype, self.args.tp_size, engine, w.num_cpus,
+                                   w.num_gpus, name=None if self.replica == "local" else f"cbserve-{self.replica}")
         model, self.tokenizer = load_on_device(self.args.model, self.args.dtype)
         if self.ranks is not None:
             self.ranks.join()
@@ -83,14 +97,20 @@ class LLMWorker:
         self.info = ModelInfo(
             eos_token_id=eos,
             max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
-            vocab_size=int(model.config.vocab_size),
             default_max_tokens=self.args.generation.max_tokens,
         )
-        logger.info("worker replica %s ready: %s", self.replica, self.args.model_name)
+        logger.info("engine replica %s ready: %s", self.replica, self.args.model_name)
 
     async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
         async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica):
             yield ev
+
+    def describe(self) -> dict[str, Any]:
+        """What a client of the deployment may need to know before sending requests."""
+        return {
+            "has_chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
+            "tp_ranks": 1 + (len(self.ranks.actors) if self.ranks is not None else 0),
+        }
 
     def ping(self) -> str:
         return self.replica
@@ -106,24 +126,18 @@ class LLMWorker:
         return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s)}
 
     def check_health(self) -> None:
-        """Serve replaces the replica when this raises: its engine is broken, its batching loop
-        died, or its tensor-parallel group failed (a rank died or hung: the engine then refuses
-        every request, so the replica must go)."""
-        manager = self.manager
-        if manager is None:
-            raise RuntimeError("the worker's manager is stopped")
-        manager.stats()  # raises if the engine is broken
-        if not manager.is_running():
-            raise RuntimeError(f"the batching loop is not running ({manager.error!r})")
-        failed = getattr(getattr(manager.engine, "groups", None), "failed", None)
-        if failed is not None:
-            raise RuntimeError(f"unhealthy: {failed}")
+        """Serve replaces the replica when this raises: its manager is stopped, its batching loop
+        died, or its engine is broken (a tensor-parallel rank died or hung: the engine then
+        refuses every request, so the replica must go)."""
+        if self.manager is None:
+            raise RuntimeError("the replica's manager is stopped")
+        self.manager.check_health()
 
     def __del__(self) -> None:
         manager = getattr(self, "manager", None)
         if manager is None:
             return
-        logger.info("worker replica %s shutting down", self.replica)
+        logger.info("engine replica %s shutting down", self.replica)
         if self._board is not None:
             try:
                 self._board.forget.remote(self.replica)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self
 
-from cbserve.cluster.batch_schema import RETRYABLE_ERRORS, ResultLine, record_key
+from cbserve.batch.schema import RETRYABLE_ERRORS, ResultLine, record_key
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,10 @@ class ResultWriter:
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._sync_every = max(1, sync_every)
         self._unsynced = 0
-        self.written = 0
 
     def write(self, record: ResultLine) -> None:
         self._file.write(record.to_json() + "\n")  # one write: a crash can tear only this line
         self._file.flush()
-        self.written += 1
         self._unsynced += 1
         if self._unsynced >= self._sync_every:
             self.sync()

@@ -1,0 +1,104 @@
+"""The one module that uses Ray Serve's private API; everything else uses Ray's public API only.
+
+What is private, and why it is used:
+
+- `ray.serve._private.constants` and the Serve controller's `get_http_config`: the host Serve's
+  HTTP proxy is bound to (the ingress warns when it is open beyond loopback without an API key).
+- `ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter`: Serve's default router,
+  named when prefix routing is off (Serve has no public name for it).
+- Members of `RequestRouter` that `CompatRouter` reads or overrides: the replica queue-length
+  cache and its probe (`_use_replica_queue_len_cache`, `_replica_queue_len_cache`,
+  `_probe_queue_lens`), and the matching of a routed replica to its pending request
+  (`_fulfill_next_pending_request` and the pending-request bookkeeping it touches).
+
+`PRIVATE_MEMBERS` lists them; `tests/test_ray_compat.py` checks that each exists in the installed
+Ray, and `pyproject.toml` pins the Ray versions that test passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.exceptions import BackPressureError
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROUTER_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+
+# (module, name) of private module-level names; ("RequestRouter", name) of private router members.
+PRIVATE_MEMBERS: list[tuple[str, str]] = [
+    ("ray.serve._private.constants", "SERVE_CONTROLLER_NAME"),
+    ("ray.serve._private.constants", "SERVE_NAMESPACE"),
+    ("ray.serve._private.request_router", "PowerOfTwoChoicesRequestRouter"),
+    ("ray.serve._private.controller", "ServeController.get_http_config"),
+    ("RequestRouter", "_use_replica_queue_len_cache"),
+    ("RequestRouter", "_replica_queue_len_cache"),
+    ("RequestRouter", "_probe_queue_lens"),
+    ("RequestRouter", "_fulfill_next_pending_request"),
+    ("RequestRouter", "_pending_requests_to_fulfill"),
+    ("RequestRouter", "_cancel_routing_task_for_pending_request"),
+    ("RequestRouter", "_record_queue_wait_time"),
+    ("RequestRouter", "_remove_pending_request_from_indices"),
+]
+
+
+def serve_http_host(timeout_s: float = 10.0) -> str | None:
+    """The host Serve's HTTP proxies are bound to; None when it cannot be read."""
+    try:
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
+    except Exception as exc:  # noqa: BLE001 - advisory only; never fail startup over it
+        logger.debug("could not read Serve's HTTP config: %r", exc)
+        return None
+
+
+def backpressure(exc: BaseException) -> BackPressureError | None:
+    """The BackPressureError behind `exc` (raised by a handle call, or wrapped by Ray), if any."""
+    for e in (exc, getattr(exc, "cause", None), exc.__cause__):
+        if isinstance(e, BackPressureError):
+            return e
+    return None
+
+
+class CompatRouter(RequestRouter):
+    """A `RequestRouter` base with the private parts a custom router needs."""
+
+    async def queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
+        """Outstanding requests per replica: Serve's cached lengths, else a probe (replicas that do
+        not answer in time are left out)."""
+        lens: dict[ReplicaID, int] = {}
+        missing: list[RunningReplica] = []
+        for r in replicas:
+            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
+            if q is None:
+                missing.append(r)
+            else:
+                lens[r.replica_id] = q
+        if missing:
+            for r, q in await self._probe_queue_lens(missing, 0):
+                if q is not None:
+                    lens[r.replica_id] = q
+        return lens
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """Give `replica` to the very request it was chosen for.
+
+        Serve's base router matches by internal request id, which every handle call made while
+        serving one parent request inherits: the ingress's `n` choices (or batched prompts) share
+        it, so all but one would wait forever. Match the request's own metadata object instead.
+        """
+        if request_metadata is not None:
+            pending: PendingRequest
+            for pending in self._pending_requests_to_fulfill:
+                if pending.metadata is request_metadata and not pending.future.done():
+                    self._cancel_routing_task_for_pending_request(pending)
+                    self._record_queue_wait_time(pending)
+                    pending.future.set_result(replica)
+                    self._remove_pending_request_from_indices(pending)
+                    return
+        super()._fulfill_next_pending_request(replica, request_metadata)

@@ -1,0 +1,288 @@
+"""The OpenAI completions and chat-completions logic, free of HTTP and of Ray.
+
+It turns a validated request into one `WorkerRequest` per choice, opens each choice's stream
+through `open_choice` (in the cluster: a streaming call to an engine replica), folds each
+choice's events (`replies.py`) and renders either a whole response or server-sent events.
+Opening a choice returns once the worker has accepted it, so a bad request still gets a 4xx
+before any event is streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cbserve.errors import InvalidRequestError
+from cbserve.serving.errors import APIError, openai_error
+from cbserve.serving.metrics import ServingMetrics
+from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.replies import (
+    ChoiceResult,
+    ChoiceStream,
+    Piece,
+    chat_choice,
+    chat_chunk_choice,
+    completion_choice,
+    completion_chunk_choice,
+    pieces,
+    usage,
+    worker_failure,
+)
+from cbserve.serving.requests import check_limits, routing_hashes, worker_request
+from cbserve.serving.schemas import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    _new_id,
+)
+from cbserve.serving.settings import ServiceArgs
+
+OpenChoice = Callable[[WorkerRequest], Awaitable[ChoiceStream]]
+Chunk = Callable[[list[Any], Any], Any]  # (choices, usage) -> a chunk model
+
+
+@dataclass
+class Reply:
+    """Either a whole `body` or an SSE `stream`; `replicas` served the choices (for a header)."""
+
+    replicas: list[str]
+    body: Any = None
+    stream: AsyncIterator[str] | None = None
+
+
+def _sse(obj: Any) -> str:
+    payload = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {payload}\n\n"
+
+
+def _status(exc: APIError | InvalidRequestError) -> int:
+    return 400 if isinstance(exc, InvalidRequestError) else exc.status
+
+
+def _as_api_error(exc: Exception, prompt_param: str) -> APIError:
+    exc = worker_failure(exc)
+    return openai_error(exc, prompt_param) if isinstance(exc, InvalidRequestError) else exc  # type: ignore[return-value]
+
+
+async def _drain(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """Items of all streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[Piece]) -> None:
+        try:
+            async for item in s:
+                queue.put_nowait((i, item))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class OpenAIService:
+    def __init__(self, args: ServiceArgs, open_choice: OpenChoice, metrics: ServingMetrics | None = None):
+        self.args = args
+        self._open_choice = open_choice
+        self.metrics = metrics
+        self.model_name = args.model_name
+        self._names = {args.model_name} | ({args.model} if args.model else set())
+
+    # -- request -> worker requests: the rules only this front has -------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self._names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def _check_common(self, req: SamplingFields, max_tokens: int | None, num_prompts: int) -> None:
+        self.check_model(req.model)
+        check_limits(self.args.limits, max_tokens, req.n, num_prompts, req.stop_list())
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise InvalidRequestError(name, f"{name} is not supported by this server; leave it at 0")
+
+    def _worker_request(self, req: SamplingFields, rid: str, choice: int, max_tokens: int | None,
+                        logprobs: bool, hashes: list[int], **prompt: Any) -> WorkerRequest:
+        return worker_request(
+            rid, self.args.generation, hashes, max_tokens=max_tokens, temperature=req.temperature,
+            top_p=req.top_p, top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
+            stop=req.stop_list(), logprobs=logprobs, **prompt,
+        )
+
+    def completion_requests(self, req: CompletionRequest, rid: str) -> list[WorkerRequest]:
+        prompts = req.prompts()
+        self._check_common(req, req.max_tokens, len(prompts))
+        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("best_of", (req.best_of or 1) > 1)):
+            if bad:
+                raise InvalidRequestError(name, f"{name} is not supported by this server")
+        if (req.logprobs or 0) > 1:
+            raise InvalidRequestError("logprobs", "logprobs must be 0 or 1: only the sampled token's logprob "
+                                      "is available")
+        out = []
+        for p_idx, prompt in enumerate(prompts):
+            if isinstance(prompt, str) and not prompt:
+                raise InvalidRequestError("prompt", "prompt must not be empty")
+            form = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
+            hashes = routing_hashes(self.args.routing, prompt)
+            out += [self._worker_request(req, f"{rid}-{p_idx}-{c}", c, req.max_tokens, req.logprobs is not None,
+                                         hashes, **form) for c in range(req.n)]
+        return out
+
+    def chat_requests(self, req: ChatCompletionRequest, rid: str) -> list[WorkerRequest]:
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        self._check_common(req, max_tokens, 1)
+        if (req.top_logprobs or 0) > 1:
+            raise InvalidRequestError("top_logprobs", "top_logprobs must be 0 or 1: only the sampled token's "
+                                      "logprob is available")
+        messages = req.template_messages()
+        hashes = routing_hashes(self.args.routing, messages=messages)
+        return [self._worker_request(req, f"{rid}-{c}", c, max_tokens, req.logprobs, hashes, messages=messages)
+                for c in range(req.n)]
+
+    # -- running choices ------------------------------------------------------------------------
+
+    async def _open_all(self, wreqs: list[WorkerRequest]) -> list[ChoiceStream]:
+        results = await asyncio.gather(*(self._open_choice(w) for w in wreqs), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, ChoiceStream)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for s in streams:
+                s.cancel()
+            refusals = [e for e in errors if isinstance(e, APIError | InvalidRequestError)]
+            raise (min(refusals, key=_status) if refusals else errors[0])
+        return streams
+
+    def _result(self, stream: ChoiceStream, arrival: float) -> ChoiceResult:
+        timer = self.metrics.timer(arrival, stream.start.prompt_tokens) if self.metrics else None
+        result = ChoiceResult(timer=timer)
+        result.add(stream.start)
+        return result
+
+    async def _collect_all(self, streams: list[ChoiceStream], arrival: float) -> list[ChoiceResult]:
+        results = [self._result(s, arrival) for s in streams]
+        tasks = [asyncio.ensure_future(_drain(pieces(s.events, r))) for s, r in zip(streams, results)]
+        try:
+            await asyncio.gather(*tasks)
+            return results
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.cancel()
+
+    async def _stream_pieces(self, streams: list[ChoiceStream], arrival: float) -> AsyncIterator[tuple[int, Piece]]:
+        """The pieces of all choices as they come; raises a choice's failure; cancels every
+        choice on exit."""
+        results = [self._result(s, arrival) for s in streams]
+        try:
+            async for i, piece in _merged([pieces(s.events, r) for s, r in zip(streams, results)]):
+                yield i, piece
+        finally:
+            for s in streams:
+                s.cancel()
+
+    async def _sse_stream(self, streams: list[ChoiceStream], arrival: float, prompt_param: str, chunk: Chunk,
+                          choice: Callable[[int, Piece], Any], first: list[Any], prompt_tokens: int,
+                          include_usage: bool) -> AsyncIterator[str]:
+        completion_tokens = 0
+        try:
+            for c in first:
+                yield _sse(chunk([c], None))
+            async for i, piece in self._stream_pieces(streams, arrival):
+                completion_tokens += piece.completion_tokens
+                c = choice(i, piece)
+                if c is not None:
+                    yield _sse(chunk([c], None))
+            if include_usage:
+                yield _sse(chunk([], usage(prompt_tokens, [Piece(completion_tokens=completion_tokens)])))
+        except Exception as exc:  # noqa: BLE001 - the client gets an error event, then [DONE]
+            yield _sse(_as_api_error(exc, prompt_param).body())
+        yield "data: [DONE]\n\n"
+
+    # -- completions and chat -------------------------------------------------------------------
+
+    async def complete(self, req: CompletionRequest, arrival: float | None = None) -> Reply:
+        try:
+            return await self._complete(req, time.perf_counter() if arrival is None else arrival)
+        except InvalidRequestError as exc:
+            raise openai_error(exc, "prompt") from None
+
+    async def _complete(self, req: CompletionRequest, arrival: float) -> Reply:
+        rid = _new_id("cmpl")
+        streams = await self._open_all(self.completion_requests(req, rid))
+        replicas = [s.start.replica or "" for s in streams]
+        prompt_tokens = sum(s.start.prompt_tokens for s in streams[:: req.n])
+        if req.stream:
+            created = int(time.time())
+
+            def chunk(choices: list[Any], use: Any) -> CompletionChunk:
+                return CompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=use)
+
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return Reply(replicas, stream=self._sse_stream(
+                streams, arrival, "prompt", chunk, lambda i, p: completion_chunk_choice(i, p, req.logprobs), [],
+                prompt_tokens, include))
+        results = await self._collect_all(streams, arrival)
+        choices = [completion_choice(i, r, req.logprobs) for i, r in enumerate(results)]
+        return Reply(replicas, body=CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                                       usage=usage(prompt_tokens, results)))
+
+    async def chat(self, req: ChatCompletionRequest, arrival: float | None = None) -> Reply:
+        try:
+            return await self._chat(req, time.perf_counter() if arrival is None else arrival)
+        except InvalidRequestError as exc:
+            raise openai_error(exc, "messages") from None
+
+    async def _chat(self, req: ChatCompletionRequest, arrival: float) -> Reply:
+        rid = _new_id("chatcmpl")
+        streams = await self._open_all(self.chat_requests(req, rid))
+        replicas = [s.start.replica or "" for s in streams]
+        prompt_tokens = streams[0].start.prompt_tokens
+        if req.stream:
+            created = int(time.time())
+
+            def chunk(choices: list[Any], use: Any) -> ChatCompletionChunk:
+                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=use)
+
+            roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(len(streams))]  # the role first, at once
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return Reply(replicas, stream=self._sse_stream(
+                streams, arrival, "messages", chunk,
+                lambda i, p: chat_chunk_choice(i, p, req.logprobs, req.top_logprobs), roles, prompt_tokens, include))
+        results = await self._collect_all(streams, arrival)
+        choices = [chat_choice(i, r, req.logprobs, req.top_logprobs) for i, r in enumerate(results)]
+        return Reply(replicas, body=ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                                           usage=usage(prompt_tokens, results)))

@@ -1,0 +1,193 @@
+"""The one fold of a choice's `WorkerEvent`s into its reply, and the reply's OpenAI renderings.
+
+Every front folds a choice's events with `ChoiceResult.add`: the non-streaming JSON response and
+the batch job render the whole result; server-sent events and gRPC render each `Piece` as it is
+added. Errors are folded the same way everywhere: an `error` event, an `end` that aborted (the
+server cancelled the request) and a stream that stops before its end all leave `result.error`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbserve.errors import InvalidRequestError
+from cbserve.serving.errors import ABORTED, CUT_SHORT, APIError, error_event, refusal
+from cbserve.serving.protocol import WorkerEvent
+from cbserve.serving.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionChoice,
+    CompletionLogprobs,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChoiceStream:
+    """A choice the worker accepted: its `start` event, the rest of its events, and a cancel."""
+
+    start: WorkerEvent
+    events: AsyncIterator[WorkerEvent]
+    cancel: Callable[[], None]
+
+
+@dataclass
+class Piece:
+    """What one event adds to a choice: a delta's text and tokens, or (last) its finish."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class ChoiceResult(Piece):
+    """A choice so far: the sum of its pieces, who served it, and how it ended."""
+
+    replica: str = ""
+    prompt_tokens: int = 0
+    error: WorkerEvent | None = None  # an `error` event; an abort or a cut stream becomes one too
+    timer: Any = field(default=None, repr=False, compare=False)  # a metrics.ChoiceTimer
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def add(self, ev: WorkerEvent) -> Piece | None:
+        """Fold one event in; returns what it adds to the reply (None for `start` and errors)."""
+        if ev.kind == "start":
+            self.replica, self.prompt_tokens = ev.replica or "", ev.prompt_tokens
+            return None
+        if ev.kind == "delta":
+            piece = Piece(text=ev.text, token_ids=list(ev.token_ids), logprobs=list(ev.logprobs or []),
+                          token_texts=list(ev.token_texts or []))
+            self.text += piece.text
+            self.token_ids += piece.token_ids
+            self.logprobs += piece.logprobs
+            self.token_texts += piece.token_texts
+            if self.timer is not None:
+                self.timer.on_tokens(len(piece.token_ids))
+            return piece
+        if ev.kind == "end" and ev.finish_reason != "abort":
+            self.finish_reason, self.completion_tokens = ev.finish_reason or "stop", ev.completion_tokens
+            if self.timer is not None:
+                self.timer.on_end(self.finish_reason)
+            return Piece(finish_reason=self.finish_reason, completion_tokens=self.completion_tokens)
+        self.error = ev if ev.kind == "error" else error_event(503, ABORTED)
+        return None
+
+    def cut_short(self) -> None:
+        """The events stopped before the end: never let that look like a finished choice."""
+        if not self.done:
+            self.error = error_event(503, CUT_SHORT)
+
+    def failure(self) -> InvalidRequestError | APIError | None:
+        return None if self.error is None else refusal(self.error)
+
+
+def worker_failure(exc: Exception) -> Exception:
+    """An exception from a choice's event stream (other than a folded error) as the client should
+    see it: the worker replica died or became unreachable mid-request (Ray raises
+    `ActorDiedError`, `ActorUnavailableError`, ...). A 503, never a clean-looking end."""
+    if isinstance(exc, APIError | InvalidRequestError):
+        return exc
+    logger.warning("a worker failed mid-request: %r", exc)
+    return APIError(503, f"the worker serving this request failed before the request finished "
+                         f"({type(exc).__name__}); retry it")
+
+
+async def fold(events: AsyncIterator[WorkerEvent], result: ChoiceResult | None = None) -> ChoiceResult:
+    """Fold a choice's events until its end or error (which stays in `result.error`)."""
+    result = ChoiceResult() if result is None else result
+    async for ev in events:
+        result.add(ev)
+        if result.done:
+            return result
+    result.cut_short()
+    return result
+
+
+async def pieces(events: AsyncIterator[WorkerEvent], result: ChoiceResult) -> AsyncIterator[Piece]:
+    """Fold a choice's events into `result`, yielding what each adds; raises the choice's failure
+    (`InvalidRequestError` or `APIError`) instead of ending when it did not finish."""
+    try:
+        async for ev in events:
+            piece = result.add(ev)
+            if result.error is not None:
+                break
+            if piece is not None:
+                yield piece
+            if result.done:
+                return
+    except Exception as exc:
+        raise worker_failure(exc) from exc
+    result.cut_short()
+    raise result.failure()  # type: ignore[misc]
+
+
+# ---- OpenAI renderings --------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, results: list[Piece] | list[ChoiceResult]) -> UsageInfo:
+    completion = sum(r.completion_tokens for r in results)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+def completion_logprobs(p: Piece, k: int | None) -> CompletionLogprobs:
+    offsets, pos = [], 0
+    for t in p.token_texts:
+        offsets.append(pos)
+        pos += len(t)
+    top = [{t: lp} for t, lp in zip(p.token_texts, p.logprobs)] if k else [None] * len(p.logprobs)
+    return CompletionLogprobs(tokens=p.token_texts, token_logprobs=list(p.logprobs), top_logprobs=top,
+                              text_offset=offsets)
+
+
+def chat_logprobs(p: Piece, top_logprobs: int | None) -> ChatLogprobs:
+    content = []
+    for t, lp in zip(p.token_texts, p.logprobs):
+        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))] if top_logprobs else []
+        content.append(ChatLogprobToken(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_choice(index: int, p: Piece, logprobs: int | None) -> CompletionChoice:
+    """A whole choice, or a streamed delta or finish (`logprobs`: None when not asked for)."""
+    lp = completion_logprobs(p, logprobs) if logprobs is not None else None
+    return CompletionChoice(index=index, text=p.text, finish_reason=p.finish_reason, logprobs=lp)  # type: ignore[arg-type]
+
+
+def completion_chunk_choice(index: int, p: Piece, logprobs: int | None) -> CompletionChoice | None:
+    """A streamed piece as a chunk's choice; None for a delta with nothing to show."""
+    if p.finish_reason is not None:
+        return completion_choice(index, Piece(finish_reason=p.finish_reason), None)
+    return completion_choice(index, p, logprobs) if p.text or logprobs is not None else None
+
+
+def chat_choice(index: int, r: ChoiceResult, logprobs: bool, top_logprobs: int | None) -> ChatChoice:
+    lp = chat_logprobs(r, top_logprobs) if logprobs else None
+    return ChatChoice(index=index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                      logprobs=lp)
+
+
+def chat_chunk_choice(index: int, p: Piece, logprobs: bool, top_logprobs: int | None) -> ChatChunkChoice | None:
+    """A streamed piece as a chunk's choice; None for a delta with nothing to show."""
+    if p.finish_reason is not None:
+        return ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=p.finish_reason)  # type: ignore[arg-type]
+    if not (p.text or logprobs):
+        return None
+    lp = chat_logprobs(p, top_logprobs) if logprobs else None
+    return ChatChunkChoice(index=index, delta=DeltaMessage(content=p.text), logprobs=lp)

@@ -1,0 +1,69 @@
+"""Building `WorkerRequest`s for every front (OpenAI HTTP, gRPC, batch): the deployment's defaults
+for the fields a request leaves out, the prefix hashes the router reads, and the limits that only
+a front has (the engine knows nothing of them). Values the engine checks are passed on as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cbserve.errors import InvalidRequestError
+from cbserve.serving.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig
+
+
+def check_limits(limits: LimitsConfig, max_tokens: int | None = None, n: int = 1, prompts: int = 1,
+                 stops: Sequence[str] = ()) -> None:
+    """The deployment's limits on one API request; raises InvalidRequestError naming the API field."""
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise InvalidRequestError("max_tokens", f"must be at most {limits.max_tokens}, got {max_tokens}")
+    if n > limits.max_n:
+        raise InvalidRequestError("n", f"must be at most {limits.max_n}, got {n}")
+    if prompts > limits.max_prompts:
+        raise InvalidRequestError("prompt", f"at most {limits.max_prompts} prompts per request, got {prompts}")
+    if len(stops) > limits.max_stop:
+        raise InvalidRequestError("stop", f"at most {limits.max_stop} stop strings, got {len(stops)}")
+
+
+def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = None,
+                   messages: list[dict[str, str]] | None = None) -> list[int]:
+    """The prefix hashes of a text prompt, token ids or a chat (see `prefix.py`)."""
+    key = chat_routing_text(messages) if messages is not None else prompt
+    if key is None:
+        return []
+    chunk = routing.chunk_chars if isinstance(key, str) else routing.chunk_tokens
+    return prefix_hashes(key, chunk, routing.max_chunks)
+
+
+def worker_request(
+    request_id: str,
+    gen: GenerationDefaults,
+    hashes: list[int],
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    prompt_ids: list[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    logprobs: bool = False,
+) -> WorkerRequest:
+    """One choice; sampling fields left None take the deployment's generation defaults."""
+    return WorkerRequest(
+        request_id=request_id,
+        prompt=prompt,
+        messages=messages,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        temperature=gen.temperature if temperature is None else temperature,
+        top_p=gen.top_p if top_p is None else top_p,
+        top_k=gen.top_k if top_k is None else top_k,
+        seed=seed,
+        stop=list(stop),
+        logprobs=logprobs,
+        prefix_hashes=hashes,
+    )

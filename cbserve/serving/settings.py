@@ -1,0 +1,63 @@
+"""The serving settings a front needs: defaults for fields a request leaves out, the HTTP front's
+limits, and prefix-routing keys. Part of `ClusterArgs` (`cbserve.cluster.settings`), which is
+read from `ray_config.yaml`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GenerationDefaults(Strict):
+    """Used when a request leaves a field out."""
+
+    max_tokens: int = Field(256, ge=1, description="max_tokens when the request gives none")
+    temperature: float = Field(1.0, ge=0.0, description="OpenAI's default is 1.0")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+
+
+class LimitsConfig(Strict):
+    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
+    max_n: int = Field(8, ge=1, description="largest `n` (choices per prompt)")
+    max_prompts: int = Field(64, ge=1, description="largest batch of prompts in one completions call")
+    max_stop: int = Field(8, ge=0, description="most stop strings per request")
+
+
+class RoutingConfig(Strict):
+    """Prefix affinity, then least outstanding requests (see `cbserve/cluster/router.py`)."""
+
+    enabled: bool = Field(True, description="False: Serve's default power-of-two-choices router")
+    imbalance_threshold: int = Field(
+        4, ge=0, description="leave the affine replica when its queue exceeds the shortest by more than this"
+    )
+    chunk_chars: int = Field(128, ge=8, description="characters per hashed prefix chunk of a text prompt")
+    chunk_tokens: int = Field(32, ge=1, description="tokens per hashed prefix chunk of a token-id prompt")
+    max_chunks: int = Field(64, ge=1, description="prefix chunks hashed per request")
+    table_size: int = Field(100_000, ge=1, description="prefix hashes remembered by each router (LRU)")
+    stats_period_s: float = Field(1.0, gt=0.0, description="how often replicas report routing stats")
+
+
+class ServiceArgs(Protocol):
+    """What the OpenAI and gRPC fronts read (`ClusterArgs` has it all)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def generation(self) -> GenerationDefaults: ...
+
+    @property
+    def limits(self) -> LimitsConfig: ...
+
+    @property
+    def routing(self) -> RoutingConfig: ...
