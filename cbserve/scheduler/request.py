@@ -10,17 +10,56 @@ from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. `temperature == 0` or `do_sample=False` means greedy."""
+    """Per-request sampling. `temperature == 0` or `do_sample=False` means greedy.
+
+    Logits processing, in this order (transformers' order for its fields, then vLLM's):
+    sequence_bias, repetition_penalty (prompt and output), no_repeat_ngram_size, bad_words_ids,
+    min_new_tokens (EOS and stop tokens barred before it), suppress_tokens, begin_suppress_tokens,
+    presence/frequency penalties (output tokens), logit_bias; then, when sampling, temperature,
+    top-k, top-p, min-p.
+    """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+    remove_invalid_values: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # how many most likely tokens to report with each generated one
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's, and k top ones
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits, no top logprobs: what async batching can sample on the device."""
+        return self.greedy and not self.processes_logits and not self.top_logprobs
+
+    @property
+    def needs_history(self) -> bool:
+        """The processors that read the request's tokens (transformers' own, row by row)."""
+        return bool(self.no_repeat_ngram_size or self.bad_words_ids or self.sequence_bias)
+
+    @property
+    def processes_logits(self) -> bool:
+        return (self.needs_history or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias) or self.min_new_tokens > 0
+                or bool(self.suppress_tokens) or bool(self.begin_suppress_tokens) or self.remove_invalid_values)
 
 
 @dataclass(eq=False)
@@ -37,6 +76,11 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # With sampling.top_logprobs: the most likely (token, logprob) pairs at each generated token.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With sampling.prompt_logprobs: each prompt token's logprob (None for the first) and top pairs.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Tokens whose K/V are in the cache; the rest of `tokens` is computed by the next steps.
     num_computed: int = 0
     # Async batching: sampled on the device by a launched step, not yet appended to `tokens`.
@@ -62,8 +106,12 @@ class Request:
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
-        if self.return_logprobs:
+        if self.return_logprobs or self.sampling.top_logprobs:
             self.logprobs = []
+        if self.sampling.top_logprobs:
+            self.top_logprobs = []
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = [None], [[]]
 
     @property
     def num_tokens(self) -> int:
@@ -79,17 +127,27 @@ class Request:
         """Its in-flight token is its last one (max_new_tokens): nothing more to schedule."""
         return self.num_inflight > 0 and len(self.generated) + self.num_inflight >= self.max_new_tokens
 
-    def append_token(self, token: int, logprob: float | None) -> None:
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute (every prompt position's logits are kept)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self.tokens.append(token)
         self.generated.append(token)
         if self.logprobs is not None:
             self.logprobs.append(float(logprob) if logprob is not None else float("nan"))
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or [])
 
     def stop_reason(self) -> FinishReason | None:
-        if self.generated and self.generated[-1] in self.eos_token_ids:
+        last = self.generated[-1] if self.generated else None
+        if last is not None and last in self.eos_token_ids and not self.sampling.ignore_eos:
             return FinishReason.EOS
+        if last is not None and last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
         if len(self.generated) >= self.max_new_tokens:
             return FinishReason.LENGTH
         return None
@@ -119,5 +177,8 @@ class Request:
             finished_time=self.finished_time,
             _tokens=self.generated,
             _logprobs=self.logprobs,
+            _top_logprobs=self.top_logprobs,
             _length=len(self.generated),
+            prompt_logprobs=self.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
         )

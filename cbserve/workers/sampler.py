@@ -1,12 +1,16 @@
-"""Next-token choice from the last logits of each sampled request: greedy, or temperature,
-top-k and top-p sampling with an optional per-request seeded generator; log-probabilities
-under the distribution the token was drawn from."""
+"""Next-token choice from the last logits of each sampled request: its logits processors
+(`logits_processors.py`), then greedy, or temperature, top-k, top-p and min-p sampling with an
+optional per-request seeded generator; log-probabilities (and the top ones) under the
+distribution the token was drawn from."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from cbserve.scheduler.request import SamplingParams
+from cbserve.scheduler.request import Request, SamplingParams
+from cbserve.workers.logits_processors import LogitsProcessing
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -34,17 +38,35 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return logits
 
 
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """transformers' MinPLogitsWarper per row: drop tokens below min_p times the top token's
+    probability (the top token is always kept)."""
+    probs = logits.softmax(dim=-1)
+    remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float] | None  # each token's, under the distribution it was drawn from
+    top_logprobs: list[list[tuple[int, float]]] | None  # per row, its request's top_logprobs pairs
+
+
 class Sampler:
     """Draws with the engine's generator, or with a request's own when it has a seed: those
-    generators live here, keyed by request id, from its first draw until `forget`."""
+    generators live here, keyed by request id, from its first draw until `forget`, as does the
+    logits processors' per-request state."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
         self._seeded: dict[str, torch.Generator] = {}
+        self.processing = LogitsProcessing(vocab_size)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -55,34 +77,45 @@ class Sampler:
         return generator
 
     def forget(self, request_id: str) -> None:
-        """The request is gone (finished, cancelled, failed): drop its generator."""
+        """The request is gone (finished, cancelled, failed): drop its state."""
         self._seeded.pop(request_id, None)
+        self.processing.forget(request_id)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        request_ids: list[str],
-        want_logprobs: bool,
-    ) -> tuple[list[int], list[float] | None]:
-        """logits [rows, vocab] float32. Returns one token per row, and its logprob if asked."""
-        logits = logits.cpu()
+    def observe(self, request: Request, token: int) -> None:
+        self.processing.observe(request, token)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
+        """logits [rows, vocab] float32, one row per request. One token per row; logprobs when
+        `want_logprobs` or a request asks for top logprobs."""
+        logits = self.processing(logits.cpu(), requests)
+        params = [r.sampling for r in requests]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         processed = logits
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
             sub = process_logits(logits[rows], [params[i] for i in sampled_rows])
+            if any(params[i].min_p > 0 for i in sampled_rows):
+                sub = _min_p(sub, torch.tensor([params[i].min_p for i in sampled_rows], dtype=sub.dtype))
             cdf = sub.softmax(dim=-1).cumsum(dim=-1)
             # One uniform draw per row from the row's own generator when seeded, so a seeded
             # request gives the same tokens whatever else shares its batch.
-            u = torch.stack([torch.rand((), generator=self._generator(request_ids[i], params[i]))
+            u = torch.stack([torch.rand((), generator=self._generator(requests[i].request_id, params[i]))
                              for i in sampled_rows])
             picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
             picks = picks.clamp(max=logits.shape[-1] - 1)
             tokens = tokens.index_put((rows,), picks)
             processed = logits.index_put((rows,), sub)
-        logprobs = None
-        if want_logprobs:
-            logprobs = processed.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+        k = max(p.top_logprobs for p in params)
+        if not (want_logprobs or k):
+            return SampleResult(tokens.tolist(), None, None)
+        logprobs = processed.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        return SampleResult(tokens.tolist(), chosen, top_pairs(logprobs, [p.top_logprobs for p in params]) if k else None)
+
+
+def top_pairs(logprobs: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
+    """Each row's `counts[row]` most likely (token, logprob) pairs, most likely first."""
+    values, ids = logprobs.topk(max(counts), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(ids[r][:n], values[r][:n])) for r, n in enumerate(counts)]

@@ -3,6 +3,7 @@ these at submission, and each raises `InvalidRequestError` naming the field and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from typing import Any
@@ -72,6 +73,61 @@ def fits(prompt_len: int, new_tokens: int, max_context: int, capacity_tokens: in
                 f"{what} {limit} tokens{suffix}")
 
 
+def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    ok = _is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise InvalidRequestError(name, f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> int:
+    if not (_is_int(value) and low <= value <= high):
+        raise InvalidRequestError(name, f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _token_ids(name: str, value: Any, vocab_size: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple, set, frozenset)) or any(not _is_int(t) or not 0 <= t < vocab_size
+                                                                  for t in value):
+        raise InvalidRequestError(name, f"{name} must be a list of token ids in [0, {vocab_size}), got {value!r}")
+    return tuple(value)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias", f"logit_bias must map token ids to biases, got {value!r}")
+    pairs = []
+    for token, bias in value.items():
+        token = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+        if not (_is_int(token) and 0 <= token < vocab_size):
+            raise InvalidRequestError("logit_bias", f"logit_bias: {token!r} is not a token id in [0, {vocab_size})")
+        pairs.append((token, _number("logit_bias", bias, -100, 100)))
+    return tuple(pairs)
+
+
+# Per-request options beyond temperature/top_k/top_p/seed: name -> checker(value, vocab) -> field value.
+OPTIONS: dict[str, Any] = {
+    "min_p": lambda v, _: ("min_p", _number("min_p", v, 0, 1)),
+    "repetition_penalty": lambda v, _: ("repetition_penalty", _number("repetition_penalty", v, 0, 2**31, True)),
+    "presence_penalty": lambda v, _: ("presence_penalty", _number("presence_penalty", v, -2, 2)),
+    "frequency_penalty": lambda v, _: ("frequency_penalty", _number("frequency_penalty", v, -2, 2)),
+    "logit_bias": lambda v, vocab: ("logit_bias", _logit_bias(v, vocab)),
+    "min_tokens": lambda v, _: ("min_new_tokens", _integer("min_tokens", v, 0, 2**31 - 1)),
+    "ignore_eos": lambda v, _: ("ignore_eos", _flag("ignore_eos", v)),
+    "stop_token_ids": lambda v, vocab: ("stop_token_ids", _token_ids("stop_token_ids", v, vocab)),
+    "top_logprobs": lambda v, _: ("top_logprobs", _integer("top_logprobs", v, 0, MAX_TOP_LOGPROBS)),
+    "prompt_logprobs": lambda v, _: ("prompt_logprobs", _integer("prompt_logprobs", v, 0, MAX_TOP_LOGPROBS)),
+}
+MAX_TOP_LOGPROBS = 20
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(name, f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None:
     if temperature is not None and not (_is_number(temperature) and 0 <= temperature < math.inf):
         raise InvalidRequestError("temperature", f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -83,23 +139,31 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> None
         raise InvalidRequestError("seed", f"seed must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
 
 
-def sampling(base: SamplingParams, allowed: bool, temperature: Any = None, top_k: Any = None,
-             top_p: Any = None, seed: Any = None) -> SamplingParams | None:
+def sampling(base: SamplingParams, allowed: bool, vocab_size: int, temperature: Any = None, top_k: Any = None,
+             top_p: Any = None, seed: Any = None, **options: Any) -> SamplingParams | None:
     """A request's own sampling over the engine's defaults `base`; None when it sets none.
-    `allowed`: the config's per_request_processors."""
+    `allowed`: the config's per_request_processors. `options`: the names of `OPTIONS`."""
     given = [name for name, v in zip(SAMPLING_FIELDS, (temperature, top_k, top_p, seed)) if v is not None]
+    given += [name for name, v in options.items() if v is not None]
     if not given:
         return None
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected arguments: {unknown}")
     if not allowed:
         raise InvalidRequestError(
-            given[0], "temperature/top_k/top_p/seed per request need per_request_processors=True in the "
-            "ContinuousBatchingConfig")
+            given[0], "per-request sampling options (temperature, top_k, top_p, seed, penalties, ...) need "
+            "per_request_processors=True in the ContinuousBatchingConfig")
     _check_sampling(temperature, top_k, top_p, seed)
-    return SamplingParams(
-        do_sample=True,
+    fields = dict(OPTIONS[name](value, vocab_size) for name, value in options.items() if value is not None)
+    if temperature is not None or top_k is not None or top_p is not None or seed is not None:
+        fields["do_sample"] = True
+    return dataclasses.replace(
+        base,
         temperature=(base.temperature if temperature is None
                      else 0.0 if temperature < MIN_SAMPLING_TEMPERATURE else float(temperature)),
         top_k=base.top_k if top_k is None else top_k,
         top_p=base.top_p if top_p is None else float(top_p),
         seed=seed,
+        **fields,
     )
