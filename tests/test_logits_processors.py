@@ -186,3 +186,45 @@ def test_unsupported_generation_config_fields_are_refused(field: str, value) -> 
     with pytest.raises(ValueError, match=field):
         EngineCore(model(), gc, cbserve.ContinuousBatchingConfig(num_blocks=16, page_size=16))
     assert model().config._attn_implementation == "sdpa"  # refused before the model was touched
+
+
+def reference_prompt_logprobs(prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model()(torch.tensor([prompt])).logits[0].double(), -1)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [8, 256])  # chunked prefill, and whole prompts
+def test_prompt_logprobs_equal_a_full_forward(max_batch_tokens: int) -> None:
+    """Each prompt token's logprob given the tokens before it (None for the first), and the top
+    pairs, through chunked prefill and when an identical prompt's pages are already cached
+    (a request asking for prompt logprobs recomputes its prompt instead of reusing them)."""
+    gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    shared = random_prompts([70], seed=11)[0]
+    prompts = [shared, random_prompts([1], seed=12)[0], shared + [5, 6], shared]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, max_batch_tokens=max_batch_tokens,
+                                           per_request_processors=True)
+    engine = EngineCore(model(), gc, cfg)
+    try:
+        requests = []
+        for i, prompt in enumerate(prompts):
+            options = {"prompt_logprobs": 3} if i != 0 else None  # the first only fills the prefix cache
+            sampling = options and validation.sampling(engine.default_sampling(), True, 256, **options)
+            requests.append(engine.make_request(prompt, f"req_{i}", sampling=sampling))
+            engine.add_request(requests[-1])
+            if i == 0:
+                while engine.has_work:
+                    engine.step()
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    assert engine.stats()["prefix_hit_tokens"] == 0  # the later requests recomputed the shared prompt
+    for request, prompt in zip(requests[1:], prompts[1:]):
+        ref = reference_prompt_logprobs(prompt)
+        expected = [None] + [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+        assert request.prompt_logprobs[0] is None and len(request.prompt_logprobs) == len(prompt)
+        assert request.prompt_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
+        for p in range(1, len(prompt)):
+            values, ids = ref[p - 1].topk(3)
+            assert [t for t, _ in request.prompt_top_logprobs[p]] == ids.tolist()
+    assert requests[0].prompt_logprobs is None

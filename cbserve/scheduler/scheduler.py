@@ -144,7 +144,7 @@ class Scheduler:
                 i += 1
                 continue
             restored = request.num_offloaded_tokens
-            if not restored:
+            if not restored and not request.wants_prompt_logprobs:  # those recompute cached prompts
                 bm.match_prefix(request)
                 if bm.waits_for_prefix(request, in_flight):  # its prefix is being computed
                     bm.free(request)

@@ -25,6 +25,7 @@ class _Rows:
     positions: list[torch.Tensor] = field(default_factory=list)
     slots: list[torch.Tensor] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
 
 
 def is_decode(s: ScheduledRequest) -> bool:
@@ -50,6 +51,9 @@ class ModelRunner:
         self.max_blocks_per_request = max_blocks_per_request
         self.tables = BlockTables(max_blocks_per_request or 32)
         self.graphs: StepGraphs | None = None  # set by the engine when CUDA graphs are on
+        # The last prepared step's prompt-logprob rows, after its sampled rows in the logits:
+        # (request, first prompt position they predict, how many).
+        self.prompt_chunks: list[tuple[ScheduledRequest, int, int]] = []
         # Pinned double-buffered copies on CUDA; on a CPU, .to() is a no-op.
         self.staging = InputStaging(self.device) if self.device.type == "cuda" else None
 
@@ -78,11 +82,11 @@ class ModelRunner:
         table = self.tables.table([s.request for s in ordered], width)
         lens = torch.tensor(context_lens)
         device_rows = self._decode_rows(rows := _Rows(), decodes, table, lens)
-        chunks = self._prefill_rows(rows, prefills, table, len(decodes))
+        chunks = self._prefill_rows(rows, prefills, table, len(decodes))  # sets prompt_chunks
         # Every integer input goes to the device in one call (one staged copy on CUDA).
         full_kernels = self.kernels is not None and self.kernels.varlen is not None
         host = [torch.tensor(rows.input_ids), torch.cat(rows.positions), torch.cat(rows.slots),
-                torch.tensor(rows.sample_rows or [0])]
+                torch.tensor(rows.sample_rows + rows.prompt_rows or [0])]
         if full_kernels:
             cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32)
             torch.cumsum(torch.tensor([s.num_query_tokens for s in ordered]), 0, out=cu_seqlens_q[1:])
@@ -142,6 +146,7 @@ class ModelRunner:
                       first: int) -> list[PrefillChunk]:
         """A chunk of rows per prefill request (block-table rows from `first` on)."""
         chunks: list[PrefillChunk] = []
+        self.prompt_chunks = []
         row = len(rows.input_ids)
         for i, s in enumerate(prefills, start=first):
             req, n = s.request, s.num_query_tokens
@@ -153,7 +158,19 @@ class ModelRunner:
             row += n
             if s.sample:
                 rows.sample_rows.append(row - 1)
+            if req.wants_prompt_logprobs:
+                self._keep_prompt_rows(rows, s, row - n)
         return chunks
+
+    def _keep_prompt_rows(self, rows: _Rows, s: ScheduledRequest, first_row: int) -> None:
+        """The chunk's row at position p predicts prompt token p + 1: keep the rows of prompt
+        positions whose logprob the request still lacks (a recomputed chunk adds nothing)."""
+        req, start = s.request, s.request.num_computed
+        first = max(start + 1, len(req.prompt_logprobs))
+        last = min(start + s.num_query_tokens, len(req.prompt_ids) - 1)
+        if last >= first:
+            rows.prompt_rows.extend(range(first_row + first - 1 - start, first_row + last - start))
+            self.prompt_chunks.append((s, first, last - first + 1))
 
     def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.staging is not None:
@@ -164,7 +181,7 @@ class ModelRunner:
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
         meta = kwargs["cb_meta"]
-        if self.graphs is not None:
+        if self.graphs is not None and not self.prompt_chunks:  # graphs keep one row per request
             logits = self.graphs.run(kwargs)
             if logits is not None:
                 return logits.float()

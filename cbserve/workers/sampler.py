@@ -114,6 +114,22 @@ class Sampler:
         return SampleResult(tokens.tolist(), chosen, top_pairs(logprobs, [p.top_logprobs for p in params]) if k else None)
 
 
+def prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
+    """Fill the requests' prompt logprobs from their kept prefill rows (the raw model
+    distribution, as vLLM's prompt_logprobs): `chunks` are the runner's `prompt_chunks`, whose
+    rows follow each other in `logits`."""
+    logprobs = logits.float().cpu().log_softmax(dim=-1)
+    row = 0
+    for scheduled, first, count in chunks:
+        request = scheduled.request
+        rows = logprobs[row : row + count]
+        targets = torch.tensor(request.prompt_ids[first : first + count])
+        request.prompt_logprobs.extend(rows.gather(1, targets[:, None]).squeeze(1).tolist())
+        k = request.sampling.prompt_logprobs
+        request.prompt_top_logprobs.extend(top_pairs(rows, [k] * count) if k else [[] for _ in range(count)])
+        row += count
+
+
 def top_pairs(logprobs: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
     """Each row's `counts[row]` most likely (token, logprob) pairs, most likely first."""
     values, ids = logprobs.topk(max(counts), dim=-1)
