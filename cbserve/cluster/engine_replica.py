@@ -57,6 +57,8 @@ def engine_config(args: ClusterArgs) -> dict[str, Any]:
         offload = 0.0
     engine = dict(args.engine)
     engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
+    if tp > 1:  # the replica and its rank actors join their group themselves (`tp_ranks.py`)
+        engine["tp_launcher"] = "external"
     return engine
 
 

@@ -93,7 +93,7 @@ class ClusterArgs(Strict):
     def _check_engine(self) -> ClusterArgs:
         from cbserve.config import ContinuousBatchingConfig
 
-        for owned in ("tp_size", "cpu_offload_space"):
+        for owned in ("tp_size", "tp_launcher", "cpu_offload_space"):
             if owned in self.engine:
                 raise ValueError(f"engine.{owned} is set by the cluster; use the top-level setting instead")
         ContinuousBatchingConfig(**self.engine)  # fail at deploy time, naming the field

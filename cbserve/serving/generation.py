@@ -38,13 +38,13 @@ def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
     if req.prompt is not None:
         return list(tokenizer(req.prompt).input_ids)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
+        raise InvalidRequestError("messages", "messages: this model has no chat template; use /v1/completions")
     try:
         ids = tokenizer.apply_chat_template(
             req.messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     except Exception as exc:  # jinja errors for roles the template refuses, etc.
-        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
+        raise InvalidRequestError("messages", f"messages: the chat template refused them: {exc}") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -17,9 +17,9 @@ def check_limits(limits: LimitsConfig, max_tokens: int | None = None, n: int = 1
                  stops: Sequence[str] = ()) -> None:
     """The deployment's limits on one API request; raises InvalidRequestError naming the API field."""
     if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise InvalidRequestError("max_tokens", f"must be at most {limits.max_tokens}, got {max_tokens}")
+        raise InvalidRequestError("max_tokens", f"max_tokens must be at most {limits.max_tokens}, got {max_tokens}")
     if n > limits.max_n:
-        raise InvalidRequestError("n", f"must be at most {limits.max_n}, got {n}")
+        raise InvalidRequestError("n", f"n must be at most {limits.max_n}, got {n}")
     if prompts > limits.max_prompts:
         raise InvalidRequestError("prompt", f"at most {limits.max_prompts} prompts per request, got {prompts}")
     if len(stops) > limits.max_stop:
