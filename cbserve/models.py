@@ -166,3 +166,43 @@ def _load_pretrained(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, 
     if tokenizer.chat_template is None:
         logger.warning("tokenizer of %s has no chat template", source)
     return model, tokenizer
+
+
+def checkpoint_folder(name_or_path: str | os.PathLike[str] | None = None) -> Path:
+    """The local folder (config.json + safetensors) `load_model` would read `name_or_path` from:
+    a GGUF model's dequantized cache folder (built first if missing), a folder, or an HF id's
+    snapshot in the local HF cache."""
+    gguf = _resolve_gguf(name_or_path)
+    if gguf is not None:
+        return _cached_gguf_folder(*gguf)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name_or_path), local_files_only=True))
+    except Exception as error:  # any lookup failure: not available locally
+        raise OSError(f"cannot find {str(name_or_path)!r} locally (a folder, a .gguf file, or an HF id already "
+                      f"in the local HF cache; nothing is downloaded): {error}") from error
+
+
+def load_model_shard(
+    name_or_path: str | os.PathLike[str] | None = None,
+    rank: int = 0,
+    world: int = 1,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str | None = None,
+    tokenizer: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Tensor-parallel rank `rank` of `world`'s shard of the model `load_model` would load: only
+    this rank's slices of the split linears plus the replicated parts are read from the
+    checkpoint, never the whole model (`workers/parallel/loading.py`). Pass the shard of rank 0
+    to the engine with `tp_size=world`: the other ranks load their own shards from the same
+    checkpoint. The tokenizer is loaded unless `tokenizer=False` (ranks > 0 need none)."""
+    from cbserve.workers.parallel.loading import load_shard
+
+    dtype = resolve_dtype(dtype)
+    folder = checkpoint_folder(name_or_path)
+    model = load_shard(folder, rank, world, dtype, device)
+    return model, AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if tokenizer else None

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 3 examples/tp_torchrun.py --max-new-tokens 32
 
-Every rank loads the model and makes the same calls. `generate_batch` runs on every rank and
+Every rank loads only its own shard of the model (`load_model_shard`) and makes the same calls. `generate_batch` runs on every rank and
 returns the same outputs everywhere (rank 0 schedules and samples, every rank runs its shard of
 the forward pass). The online manager lives on rank 0; the other ranks follow it with
 `serve_tensor_parallel_rank` until it is destroyed.
@@ -20,6 +20,7 @@ from transformers import GenerationConfig
 
 import cbserve
 from cbserve.__main__ import chat_prompt_ids
+from cbserve.models import load_model_shard
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
@@ -31,7 +32,8 @@ def main() -> None:
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
-    model, tokenizer = cbserve.load_model(args.model)
+    # Each rank reads its slices of the checkpoint: no process ever holds the whole model.
+    model, tokenizer = load_model_shard(args.model, rank, world)
     config = cbserve.ContinuousBatchingConfig(tp_size=world, tp_launcher="torchrun")
     generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
                                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

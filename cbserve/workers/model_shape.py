@@ -7,6 +7,11 @@ from dataclasses import dataclass
 import torch
 
 
+def _vocab_size(head: torch.nn.Module) -> int:
+    # A tensor-parallel head split by vocabulary rows states the whole vocabulary.
+    return getattr(head, "vocab_size", None) or head.weight.shape[0]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -34,7 +39,7 @@ class ModelShape:
             num_heads=num_heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            vocab_size=model.get_output_embeddings().weight.shape[0],
+            vocab_size=_vocab_size(model.get_output_embeddings()),
             max_context=getattr(cfg, "max_position_embeddings", None) or 2**31,
             sliding_windows=windows,
         )

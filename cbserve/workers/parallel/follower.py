@@ -14,7 +14,7 @@ from cbserve.kernels import paged_attention
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.parallel.groups import TensorParallelError, TPGroups, unpack
-from cbserve.workers.parallel.sharding import install_all_reduce
+from cbserve.workers.parallel.sharding import install_all_reduce, vocab_parallel_head
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,10 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
     paged_attention.register()
     shard.set_attn_implementation(paged_attention.ATTENTION_NAME)
     install_all_reduce(shard, groups.data)
-    decoder = shard.get_decoder()  # the LM head is replicated: only rank 0 needs logits
+    # A vocabulary-parallel head takes part in every step (its logits are gathered on rank 0); a
+    # replicated one is left to rank 0.
+    whole = vocab_parallel_head(shard) is not None
+    forward = shard if whole else shard.get_decoder()
     shape = ModelShape.from_model(shard)
     dtype = next(shard.parameters()).dtype
     cache: PagedKVCache | None = None
@@ -34,9 +37,11 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
         if message.kind == "step":
             plan = unpack(message.payload, device)
             plan["cb_meta"] = dataclasses.replace(plan["cb_meta"], k_caches=cache.k, v_caches=cache.v)
+            if not whole:
+                plan.pop("logits_to_keep")
             try:
                 with torch.inference_mode():
-                    decoder(**plan)
+                    forward(**plan)
             except TensorParallelError:
                 raise
             except Exception as error:

@@ -1,8 +1,11 @@
 """How the ranks of a tensor-parallel engine come to exist, chosen by `tp_launcher`:
 
-- ``spawn``: rank 0 (the caller) starts ranks 1..N-1 as local processes, each given its shard.
-  They are forked from a forkserver that has imported torch and transformers once, so an engine
-  after the first starts in a second or two instead of re-importing everything.
+- ``spawn``: rank 0 (the caller) starts ranks 1..N-1 as local processes. When rank 0's model
+  is a shard loaded from a checkpoint (`cbserve.load_model_shard`), each rank reads its own
+  shard from that checkpoint (`CheckpointShard`); a model that exists only in memory is sharded
+  by rank 0 and each shard handed over in shared memory (`PackedModule`). The processes are
+  forked from a forkserver that has imported torch and transformers once, so an engine after
+  the first starts in a second or two instead of re-importing everything.
 - ``torchrun``: every rank runs the caller's script; the group is joined from torchrun's
   environment variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
 - ``external``: the caller has already joined a `torch.distributed` group of `tp_size` ranks
@@ -36,13 +39,14 @@ from cbserve.workers.parallel.groups import (
     data_backend,
     destroy,
 )
-from cbserve.workers.parallel.sharding import check_parallel_config, shard_model
+from cbserve.workers.parallel.loading import load_shard
+from cbserve.workers.parallel.sharding import check_parallel_config, is_shard, shard_model, shard_spec
 
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 1.0  # how long a failure report waits for a dying rank's exit status
 READY_KEY = "cbserve_tp/ready/{}"
-PRELOAD = ["torch", "torch.distributed", "transformers", "cbserve.workers.parallel.launch"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "accelerate", "cbserve.workers.parallel.launch"]
 
 
 def resolve_launcher(config: ContinuousBatchingConfig) -> str:
@@ -126,6 +130,9 @@ class PackedModule:
             table[name] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
         return cls(module, flat, entries, tensors)
 
+    def materialize(self, rank: int, world: int, device: torch.device) -> torch.nn.Module:
+        return self.unpack().to(device)
+
     def unpack(self) -> torch.nn.Module:
         views: dict[tuple[int, bool], torch.Tensor] = {}
         for path, name, is_param, index in self.entries:
@@ -138,7 +145,27 @@ class PackedModule:
         return self.module
 
 
-def worker_main(rank: int, world: int, port: int, packed: PackedModule, timeout: float,
+@dataclass(frozen=True)
+class CheckpointShard:
+    """A rank's shard to be read by the rank itself from the checkpoint rank 0's came from."""
+
+    folder: str
+    dtype: torch.dtype
+
+    def materialize(self, rank: int, world: int, device: torch.device) -> torch.nn.Module:
+        return load_shard(self.folder, rank, world, self.dtype, device)
+
+
+def shard_source(model: torch.nn.Module, rank: int, world: int) -> CheckpointShard | PackedModule:
+    """How rank `rank` gets its shard of rank 0's `model`: read from the checkpoint when the model
+    came from one, else sliced here and handed over in shared memory."""
+    spec = shard_spec(model)
+    if spec is not None and spec.source is not None:
+        return CheckpointShard(spec.source, spec.dtype)
+    return PackedModule.pack(shard_model(model, rank, world))
+
+
+def worker_main(rank: int, world: int, port: int, packed: CheckpointShard | PackedModule, timeout: float,
                 device_name: str, num_threads: int) -> None:
     """Entry point of a local rank process."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
@@ -153,7 +180,7 @@ def worker_main(rank: int, world: int, port: int, packed: PackedModule, timeout:
     code = 0
     try:
         groups = TPGroups(rank, world, timeout, data_backend(device))
-        follow(packed.unpack().to(device), groups, device)
+        follow(packed.materialize(rank, world, device), groups, device)
     except TensorParallelError:
         code = 1  # logged where raised
     except Exception:
@@ -178,7 +205,7 @@ class LocalRanks:
         self._lock = threading.Lock()
         try:
             for rank in range(1, world):
-                packed = PackedModule.pack(shard_model(model, rank, world))
+                packed = shard_source(model, rank, world)
                 proc = ctx.Process(target=worker_main, name=f"cbserve-tp-rank{rank}", daemon=True,
                                    args=(rank, world, self.store.port, packed, timeout,
                                          str(rank_device(device, rank)), threads))
@@ -258,7 +285,10 @@ def serve_tensor_parallel_rank(model: torch.nn.Module, config: ContinuousBatchin
     groups = join_launched_group(config, device)
     if groups.rank == 0:
         raise RuntimeError("rank 0 runs the engine (a manager or generate_batch), not serve_tensor_parallel_rank")
+    if is_shard(model) and shard_spec(model).rank != groups.rank:
+        raise ValueError(f"rank {groups.rank} was given shard {shard_spec(model).rank}; load shard {groups.rank}")
     try:
-        return follow(shard_model(model, groups.rank, config.tp_size), groups, device)
+        shard = model if is_shard(model) else shard_model(model, groups.rank, config.tp_size)
+        return follow(shard, groups, device)
     finally:
         destroy([groups.data, groups.control, groups.health])

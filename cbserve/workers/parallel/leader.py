@@ -35,7 +35,13 @@ from cbserve.workers.parallel.groups import (
     pack,
 )
 from cbserve.workers.parallel.launch import LocalRanks, group_timeout, join_launched_group, resolve_launcher
-from cbserve.workers.parallel.sharding import check_parallel_config, install_all_reduce, shard_model
+from cbserve.workers.parallel.sharding import (
+    check_parallel_config,
+    install_all_reduce,
+    is_shard,
+    shard_model,
+    shard_spec,
+)
 from cbserve.workers.sizing import DEFAULT_MEMORY_PERCENT
 
 logger = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class BroadcastingRunner:
         """Build the step's inputs and hand them to every rank, whose forward then runs in
         lockstep with this one (the all-reduces pair up). No async batching (refused by the config)."""
         kwargs, sampled = self.inner.prepare(batch)
-        plan = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
+        plan = dict(kwargs)
         plan["cb_meta"] = dataclasses.replace(kwargs["cb_meta"], k_caches=[], v_caches=[])
         self.groups.send(Message("step", pack(plan)))
         return kwargs, sampled
@@ -148,10 +154,14 @@ def _start_group(model: torch.nn.Module, config: ContinuousBatchingConfig,
 
 
 class TensorParallelLeader:
-    """Rank 0's side of the group. The caller's model is not modified: `shard` is rank 0's."""
+    """Rank 0's side of the group. `model` is either rank 0's shard (`cbserve.load_model_shard`;
+    the other ranks then read theirs from the same checkpoint) or a whole model, which is not
+    modified: `shard` is then rank 0's view of it."""
 
     def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
         check_parallel_config(model, config)  # before any weight moves or process starts
+        if is_shard(model) and shard_spec(model).rank != 0:
+            raise ValueError(f"the engine runs on rank 0 and needs shard 0, not shard {shard_spec(model).rank}")
         self.world = config.tp_size
         self.device = next(model.parameters()).device
         groups, local = _start_group(model, config, self.device)
@@ -159,8 +169,8 @@ class TensorParallelLeader:
         self._ranks = _Ranks(groups, local)
         self._finalizer = weakref.finalize(self, self._ranks.close)
         try:
-            self.shard = shard_model(model, 0, self.world)
-            install_all_reduce(self.shard, groups.data)
+            self.shard = model if is_shard(model) else shard_model(model, 0, self.world)
+            self._hooks = install_all_reduce(self.shard, groups.data)
         except BaseException:
             self.abort()
             self.close()
@@ -201,5 +211,8 @@ class TensorParallelLeader:
         self._ranks.abort()
 
     def close(self, result: Any = None) -> None:
-        """Shut the other ranks down (sending them `result`) and free the groups."""
+        """Shut the other ranks down (sending them `result`) and free the groups; the shard
+        (the caller's, when it passed one) loses its all-reduce hooks."""
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
         self._ranks.close(result)
