@@ -81,6 +81,9 @@ class Request:
     # With sampling.prompt_logprobs: each prompt token's logprob (None for the first) and top pairs.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Structured outputs: the compiled constraint (workers/structured.py), and whether it is complete.
+    grammar: object | None = None
+    grammar_done: bool = False
     # Tokens whose K/V are in the cache; the rest of `tokens` is computed by the next steps.
     num_computed: int = 0
     # Async batching: sampled on the device by a launched step, not yet appended to `tokens`.
@@ -128,6 +131,11 @@ class Request:
         return self.num_inflight > 0 and len(self.generated) + self.num_inflight >= self.max_new_tokens
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: what async batching can sample on the device."""
+        return self.sampling.plain_greedy and self.grammar is None
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute (every prompt position's logits are kept)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
@@ -147,6 +155,8 @@ class Request:
         if last is not None and last in self.eos_token_ids and not self.sampling.ignore_eos:
             return FinishReason.EOS
         if last is not None and last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if self.grammar_done:  # its grammar took its stop token
             return FinishReason.STOP
         if len(self.generated) >= self.max_new_tokens:
             return FinishReason.LENGTH

@@ -7,7 +7,8 @@ tokens (sequence bias, no-repeat n-grams, bad words), so those match `generate()
 
 Per-request state lives here, keyed by request id, from its first sampled step until `forget`:
 which tokens its prompt and output hold (repetition penalty) and how often each output token
-came (presence and frequency penalties), updated as tokens are appended.
+came (presence and frequency penalties), its grammar's matcher (structured outputs), updated as
+tokens are appended.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers.generation.logits_process import (
 )
 
 from cbserve.scheduler.request import Request, SamplingParams
+from cbserve.workers.structured import GrammarState, apply_masks
 
 
 @dataclass
@@ -32,6 +34,7 @@ class _RowState:
     counts: torch.Tensor | None = None  # float [vocab]: occurrences in the output
     before: list[LogitsProcessor] = field(default_factory=list)  # transformers' ones ahead of the penalty
     after: list[LogitsProcessor] = field(default_factory=list)  # and behind it
+    grammar: GrammarState | None = None  # structured outputs
 
 
 def _history_processors(params: SamplingParams, eos: frozenset[int]) -> tuple[list, list]:
@@ -68,6 +71,8 @@ class LogitsProcessing:
         if p.repetition_penalty != 1.0:
             state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
             state.seen[torch.tensor(request.tokens, device=device)] = True
+        if request.grammar is not None:
+            state.grammar = GrammarState(request.grammar)
         if p.presence_penalty or p.frequency_penalty:
             state.counts = torch.zeros(self.vocab_size, device=device)
             if request.generated:  # resumed after a preemption: the output so far counts
@@ -85,10 +90,13 @@ class LogitsProcessing:
             state.seen[token] = True
         if state.counts is not None:
             state.counts[token] += 1
+        if state.grammar is not None:
+            state.grammar.accept(token)
+            request.grammar_done = state.grammar.matcher.is_terminated()
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Processed logits [rows, vocab] (a new tensor when any row is processed)."""
-        rows = [i for i, r in enumerate(requests) if r.sampling.processes_logits]
+        rows = [i for i, r in enumerate(requests) if r.sampling.processes_logits or r.grammar is not None]
         if not rows:
             return logits
         logits = logits.clone()
@@ -98,6 +106,9 @@ class LogitsProcessing:
         self._history(logits, requests, [(i, states[i].after) for i in rows])
         self._barred(logits, requests, rows)
         self._penalties_and_bias(logits, requests, states)
+        grammars = {i: state.grammar for i, state in states.items() if state.grammar is not None}
+        if grammars:  # last: the drawn token's distribution is over the tokens the grammar allows
+            apply_masks(logits, grammars)
         return logits
 
     @staticmethod

@@ -1,0 +1,112 @@
+"""Structured outputs: every constrained output parses and validates (JSON schema, any JSON
+object, regex, choice list, grammar), mixed in one batch with unconstrained requests, and a
+bad constraint is refused naming its field. Uses the default model's tokenizer (49,152 tokens)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import pytest
+from transformers import GenerationConfig
+
+import cbserve
+from cbserve.errors import InvalidRequestError
+from cbserve.workers.engine import EngineCore
+from cbserve.workers.structured import StructuredOutputs
+from tests.tiny_models import random_prompts, tiny_model
+
+pytestmark = pytest.mark.default_model
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confident", "level"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confident": {"type": "boolean"},
+                         "level": {"type": "string", "pattern": "^[a-c]{2}$"}}}
+
+
+@functools.cache
+def default_model():
+    return cbserve.load_model()
+
+
+def tokenizer():
+    return default_model()[1]
+
+
+@functools.cache
+def random_model():
+    """Random weights over the real vocabulary: a constraint must hold whatever the logits."""
+    return tiny_model("llama", vocab_size=len(tokenizer()))
+
+
+def constrained_run(specs, max_new: int = 40):
+    model = random_model()
+    eos = tokenizer().eos_token_id
+    structured = StructuredOutputs(tokenizer(), model.config.vocab_size, [eos])
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
+    engine = EngineCore(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=400))
+    prompts = random_prompts([5, 30, 12, 50, 8, 21], vocab=len(tokenizer()))
+    try:
+        requests = [engine.make_request(prompts[i % len(prompts)], f"req_{i}",
+                                        grammar=None if spec is None else structured.compile(*spec))
+                    for i, spec in enumerate(specs)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    return requests
+
+
+def text(request) -> str:
+    return tokenizer().decode(request.generated, skip_special_tokens=True)
+
+
+def test_constrained_outputs_parse_and_validate_beside_free_ones() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    specs = [("json_schema", SCHEMA), None, ("regex", r"[0-9]{3}-[a-z]{2}"), ("choice", ["red", "green", "blue"]),
+             None, ("grammar", 'root ::= "(" [a-z]{1,3} ("," [a-z]{1,3}){0,2} ")"'), ("json_schema", json.dumps(SCHEMA))]
+    requests = constrained_run(specs)
+    for request, spec in zip(requests, specs):
+        if spec is None:
+            continue
+        assert request.finish_reason in (cbserve.FinishReason.EOS, cbserve.FinishReason.STOP), (spec[0], text(request))
+        out = text(request)
+        if spec[0] == "json_schema":
+            jsonschema.validate(json.loads(out), SCHEMA)
+        elif spec[0] == "regex":
+            assert re.fullmatch(spec[1], out), out
+        elif spec[0] == "choice":
+            assert out in spec[1]
+        else:
+            assert re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3}){0,2}\)", out), out
+    free = [r for r, s in zip(requests, specs) if s is None]
+    assert all(r.finish_reason == cbserve.FinishReason.LENGTH for r in free)  # random weights ramble
+
+
+def test_json_object_from_the_default_model() -> None:
+    model, tok = default_model()
+    structured = StructuredOutputs(tok, model.config.vocab_size, [tok.eos_token_id])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a cat as a JSON object."}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    gc = GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=tok.eos_token_id)
+    engine = EngineCore(model, gc, cbserve.ContinuousBatchingConfig(page_size=64, num_blocks=32))
+    try:
+        request = engine.make_request(prompt, "cat", grammar=structured.compile("json_object", None))
+        engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    assert request.finish_reason in (cbserve.FinishReason.EOS, cbserve.FinishReason.STOP), tok.decode(request.generated)
+    assert isinstance(json.loads(tok.decode(request.generated, skip_special_tokens=True)), dict)
+
+
+@pytest.mark.parametrize("kind, spec", [("json_schema", "{not json"), ("regex", "(unclosed"), ("choice", []),
+                                        ("grammar", "root ::= ("), ("xml", "<a/>")])
+def test_a_bad_constraint_is_refused_naming_its_field(kind: str, spec) -> None:
+    structured = StructuredOutputs(tokenizer(), len(tokenizer()))
+    with pytest.raises(InvalidRequestError) as err:
+        structured.compile(kind, spec)
+    assert err.value.field == "response_format"
