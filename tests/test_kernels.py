@@ -329,6 +329,82 @@ def test_cpu_decode_matches_reference(case: tuple, many: bool) -> None:
     torch.testing.assert_close(got, want, **tol)
 
 
+CPU_PATHS = ["generic", "avx2", "avx512", "avx512_bf16"]
+
+
+def _skip_unless_cpu_path(isa: str) -> None:
+    from cbserve.kernels import cpu_isa
+
+    if DEVICE != "cpu":
+        pytest.skip("the C++ kernels are CPU kernels")
+    reason = cpu_kernels.unavailable_reason() or cpu_isa.why_not(isa)
+    if reason:
+        pytest.skip(f"the {isa} path cannot run on this machine: {reason}")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("isa", CPU_PATHS)
+@pytest.mark.parametrize("case", [*CASES, (16, 2, 3, 64, 7, 50.0, torch.float64), (8, 3, 3, 64, None, None,
+                                                                                      torch.bfloat16)], ids=_case_id)
+def test_cpu_paths_match_reference(isa: str, case: tuple) -> None:
+    """Every instruction-set path of the C++ attention kernel, forced, on decode rows and on packed
+    varlen rows (prefill chunks over cached pages, a request with no rows), against the reference."""
+    _skip_unless_cpu_path(isa)
+    page, kvh, group, d, window, softcap, dtype = case
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else _tol(dtype)
+    batch = make_batch([*MIXED, (70, 33)], page, kvh, group, d, dtype, seed=page * 10 + group, window=window)
+    args = (batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.block_tables, batch.context_lens, 0.25)
+    want = ref.varlen_paged_attention(batch.q, *args, window, softcap)
+    assert not want.isnan().any()
+    got = cpu_kernels.varlen_paged_attention(batch.q, *args, window, softcap, isa=isa)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    dec = make_batch([(c, 1) for c in DECODE_CTX * 3], page, kvh, group, d, dtype, seed=page + group, window=window)
+    args = (dec.k_cache, dec.v_cache, dec.block_tables, dec.context_lens, 0.25, window, softcap)
+    got = cpu_kernels.paged_decode_attention(decode_q(dec), *args, isa=isa)
+    torch.testing.assert_close(got, ref.paged_decode_attention(decode_q(dec), *args), **tol)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("isa", CPU_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> None:
+    """A query row's output is bitwise the same as a decode row alone, inside a prefill chunk of any
+    length, or among many other rows (batch invariance of the attention kernel)."""
+    _skip_unless_cpu_path(isa)
+    batch = make_batch([(90, 40), (5, 5), (61, 1), (130, 17)], 16, 3, 3, 64, dtype, seed=11)
+    args = (batch.k_cache, batch.v_cache)
+    together = cpu_kernels.varlen_paged_attention(batch.q, *args, batch.cu_seqlens_q, batch.block_tables,
+                                                  batch.context_lens, 0.125, isa=isa)
+    for b, q_len in enumerate(batch.q_lens):
+        lo, ctx = int(batch.cu_seqlens_q[b]), int(batch.context_lens[b])
+        table = batch.block_tables[b : b + 1]
+        for i in range(q_len):  # each row alone, as a decode row at its position
+            alone = cpu_kernels.paged_decode_attention(batch.q[lo + i : lo + i + 1], *args, table,
+                                                       torch.tensor([ctx - q_len + i + 1]), 0.125, isa=isa)
+            assert torch.equal(alone[0], together[lo + i]), (b, i)
+        cut = q_len // 3  # the same rows as two chunks
+        for a, e in ((0, cut), (cut, q_len)):
+            if e > a:
+                part = cpu_kernels.varlen_paged_attention(
+                    batch.q[lo + a : lo + e], *args, torch.tensor([0, e - a]), table,
+                    torch.tensor([ctx - q_len + e]), 0.125, isa=isa)
+                assert torch.equal(part, together[lo + a : lo + e]), (b, a, e)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_refuses_a_path_the_cpu_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbserve.kernels import cpu_isa
+
+    missing = [isa for isa in CPU_PATHS if not cpu_isa.cpu_supports(isa)]
+    if not missing:
+        pytest.skip("this CPU runs every path")
+    batch = make_batch([(3, 1)], 4, 1, 1, 32, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="lacks the instruction set"):
+        cpu_kernels.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                           batch.context_lens, 1.0, isa=missing[0])
+
+
 # ---------------------------------------------------------------- flash-attn adapters
 
 

@@ -55,35 +55,91 @@ def test_the_comparison_catches_a_wrong_packed_weight(monkeypatch) -> None:
         assert_matches_reference(requests, refs, tol=1e-4)
 
 
-KINDS = ["cbserve", "onednn"] if packed_linear.kernel() == "cbserve" else ["onednn"]
+# The C++ kernel's paths: (instruction set, dtype). Each runs where the CPU has it, else is skipped.
+CPP_PATHS = [("avx2", torch.float32), ("avx512", torch.float32), ("avx512_bf16", torch.bfloat16)]
+SHAPES = [(48, 40, True), (33, 49, False), (576, 192, True), (7, 3, True), (1, 1, False)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("in_features,out_features,bias", [(48, 40, True), (33, 49, False), (576, 192, True),
-                                                           (7, 3, True)])
-def test_packed_linear_matches_f_linear(kind: str, in_features: int, out_features: int, bias: bool) -> None:
-    """Row counts around the kernel's 6-row tiles, column counts around its 16-column panels."""
+def skip_unless_runs(isa: str) -> None:
+    from cbserve.kernels import cpu_isa, cpu_kernels
+
+    reason = cpu_kernels.unavailable_reason() or cpu_isa.why_not(isa)
+    if reason:
+        pytest.skip(f"the {isa} path cannot run on this machine: {reason}")
+
+
+def check_against_float64(packed, linear: torch.nn.Linear, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Row counts around the kernels' 6- and 12-row tiles and column counts around their 16- and
+    32-column panels, against F.linear in float64 on the same (rounded) numbers; and every row of
+    a batch bitwise equal to that row alone (batch invariance)."""
+    k = linear.in_features
+    weight = linear.weight.double()
+    bias = None if linear.bias is None else linear.bias.double()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 4e-3, "atol": 4e-3}
+    inputs = [torch.randn(rows, k, generator=gen).to(dtype) for rows in (*range(1, 26), 64, 131)]
+    inputs += [torch.randn(1, 7, k, generator=gen).to(dtype), torch.randn(k, 3, generator=gen).to(dtype).t(),
+               torch.randn(0, k).to(dtype)]
+    with torch.inference_mode():
+        for x in inputs:
+            y = packed(x)
+            assert y.dtype == dtype and y.shape == (*x.shape[:-1], linear.out_features)
+            want = torch.nn.functional.linear(x.double(), weight, bias)
+            torch.testing.assert_close(y.double(), want, **tol, msg=lambda m, x=x: f"{tuple(x.shape)}: {m}")
+            rows = x.reshape(-1, k)
+            for r in {0, len(rows) // 2, len(rows) - 1} if len(rows) else ():
+                assert torch.equal(packed(rows[r : r + 1]), y.reshape(-1, linear.out_features)[r : r + 1])
+
+
+@pytest.mark.parametrize("isa,dtype", CPP_PATHS, ids=[p[0] for p in CPP_PATHS])
+@pytest.mark.parametrize("in_features,out_features,bias", SHAPES)
+def test_cpp_linear_paths_match_float64(isa: str, dtype, in_features: int, out_features: int, bias: bool) -> None:
+    skip_unless_runs(isa)
+    gen = torch.Generator().manual_seed(in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    packed = packed_linear.PackedLinear(linear, isa=isa)
+    assert packed.kind == "cbserve" and packed.isa == isa
+    check_against_float64(packed, linear, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features,out_features,bias", SHAPES[:3])
+def test_onednn_packing_matches_float64(dtype, in_features: int, out_features: int, bias: bool) -> None:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 support on this CPU")
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    packed = packed_linear.PackedLinear(linear, "onednn")
     gen = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    packed = packed_linear.PackedLinear(linear, kind)
-    inputs = [torch.randn(rows, in_features, generator=gen) for rows in (*range(1, 14), 64, 131)]
-    inputs += [torch.randn(1, 7, in_features, generator=gen), torch.randn(in_features, 3, generator=gen).t(),
-               torch.randn(0, in_features)]
-    for x in inputs:
-        with torch.inference_mode():
-            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5, msg=f"{tuple(x.shape)}")
+    x = torch.randn(13, in_features, generator=gen).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x).double(), torch.nn.functional.linear(
+            x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double()), **tol)
+
+
+def test_the_environment_picks_the_path(monkeypatch) -> None:
+    from cbserve.kernels import cpu_isa
+
+    skip_unless_runs("avx2")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    assert packed_linear.PackedLinear(torch.nn.Linear(8, 4)).isa == "avx2"
+    assert packed_linear.kernel(torch.bfloat16) == "onednn"  # no bfloat16 path on AVX2
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")
+    assert packed_linear.kernel(torch.float32) == "onednn"
+    assert "batch-invariant mode needs the C++ linear kernel" in packed_linear.unavailable_reason(
+        torch.device("cpu"), torch.float32, batch_invariant=True)
 
 
 def test_the_kernel_falls_back_to_onednn_without_the_cpp_kernels(monkeypatch) -> None:
     from cbserve.kernels import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler")
-    packed_linear.kernel.cache_clear()
+    packed_linear._kernel.cache_clear()
     try:
         assert packed_linear.kernel() == "onednn"
         assert packed_linear.PackedLinear(torch.nn.Linear(8, 4)).kind == "onednn"
+        assert "no C++ compiler" in packed_linear.unavailable_reason(torch.device("cpu"), torch.float32, True)
     finally:
-        packed_linear.kernel.cache_clear()
+        packed_linear._kernel.cache_clear()
 
 
 def test_hooked_and_subclassed_linears_are_not_packed() -> None:

@@ -1,8 +1,10 @@
 """Which attention kernels the engine calls, chosen once at construction.
 
-- ``cpu``: decode rows through the C++ paged decode kernel (`cpu_kernels.py`: reads the pages
-  through the block table, no gathered copy), prefill chunks through SDPA as in ``sdpa``. The
-  default on a CPU when the kernel builds (needs a C++ compiler and ninja).
+- ``cpu``: decode rows through the C++ paged attention kernel (`cpu_kernels.py`: reads the pages
+  through the block table, no gathered copy; a path per instruction set), prefill chunks through
+  SDPA as in ``sdpa``. The default on a CPU when the kernel builds (needs a C++ compiler and
+  ninja). In the batch-invariant mode every row, prefill or decode, goes through the C++ kernel,
+  whose per-row reduction order is fixed (`kernels(name, batch_invariant=True)`).
 - ``sdpa``: PyTorch only (`paged_attention.py`): K/V rows gathered per step, then
   `scaled_dot_product_attention`. The fallback without CUDA when the C++ kernel cannot be built.
 - ``triton``: the Triton kernels (`triton_attention.py`) read the pages through block tables;
@@ -75,10 +77,13 @@ def _flash_problem(device: torch.device, page_size: int) -> str:
     return _triton_problem(device)  # K/V are stored by the Triton kernel
 
 
-def select(requested: str, device: torch.device, page_size: int, auto_switch_to_flash: bool) -> str:
+def select(requested: str, device: torch.device, page_size: int, auto_switch_to_flash: bool,
+           batch_invariant: bool = False) -> str:
     """The backend to use; an explicit choice that cannot run raises ValueError saying why.
 
     `$CBSERVE_ATTENTION_BACKEND` overrides `requested` (like vLLM's VLLM_ATTENTION_BACKEND).
+    `batch_invariant` needs the ``cpu`` backend (the only one whose reduction order per query row
+    is fixed whatever the batch): anything else is refused, saying why.
     """
     requested = os.environ.get("CBSERVE_ATTENTION_BACKEND") or requested
     if requested not in BACKENDS:
@@ -90,6 +95,15 @@ def select(requested: str, device: torch.device, page_size: int, auto_switch_to_
         "triton": lambda: _triton_problem(device),
         "flash": lambda: _flash_problem(device, page_size),
     }
+    if batch_invariant:
+        if requested not in ("auto", "cpu"):
+            raise ValueError(f"batch_invariant=True needs attention_backend 'cpu' (or 'auto'), got {requested!r}: "
+                             "only the C++ CPU kernel fixes each query row's reduction order")
+        problem = problems["cpu"]()
+        if problem:
+            raise ValueError(f"batch_invariant=True needs the C++ CPU attention kernel, which cannot run here: {problem}")
+        logger.info("attention backend: cpu, batch-invariant (every row through the C++ kernel)")
+        return "cpu"
     if requested != "auto":
         problem = problems[requested]()
         if problem:
@@ -121,15 +135,16 @@ def _flash_version() -> str:
     return getattr(flash_attn, "__version__", "?")
 
 
-def kernels(name: str) -> KernelBackend | None:
-    """The kernel functions of a backend; None for `sdpa`, which gathers and calls SDPA itself."""
+def kernels(name: str, batch_invariant: bool = False) -> KernelBackend | None:
+    """The kernel functions of a backend; None for `sdpa`, which gathers and calls SDPA itself.
+    ``cpu`` with `batch_invariant`: the C++ kernel for prefill rows too (one routine for every row)."""
     if name == "sdpa":
         return None
     if name == "cpu":
         from cbserve.kernels import cpu_kernels
-        from cbserve.kernels import reference as ref
 
-        return KernelBackend(name, ref.store_kv, cpu_kernels.paged_decode_attention, None)
+        varlen = cpu_kernels.varlen_paged_attention if batch_invariant else None
+        return KernelBackend(name, cpu_kernels.store_kv, cpu_kernels.paged_decode_attention, varlen)
     if name == "reference":
         from cbserve.kernels import reference as ref
 

@@ -2,19 +2,21 @@
 
 `F.linear` on a CPU calls MKL's sgemm, which re-packs the weight matrix on every call: at the
 small row counts of decode steps that packing costs as much as the multiplication. Two packed
-kernels avoid it, chosen once per engine:
+kernels avoid it:
 
-- ``cbserve``: the C++ kernel of `kernels/csrc/linear_cpu.cpp` (AVX2 + FMA) on weights packed
-  into 16-column panels. All 211 matrices of the default model (2-core EPYC, float32, weights
-  streamed from memory as in a decode step) vs oneDNN's packed weights: 1.5-2.2x faster at 1-8
-  rows, 1.1-1.5x at 16-64, on par at 128; per matrix at 2048 rows with the weights in cache
-  oneDNN is 0-10% faster, and whole prefill steps take the same time with either.
-- ``onednn``: `torch.ops.mkldnn._linear_pointwise` on a weight reordered once (1.6x faster than
-  `F.linear` at 8 rows, 1.2-1.4x at 128), where the C++ kernels cannot be built or the CPU has
-  no AVX2.
+- ``cbserve``: the C++ kernel of `kernels/csrc/linear_cpu.cpp` on weights packed into column
+  panels, with one path per instruction set (`cpu_isa.selected()`): float32 on AVX2 (6 x 16 tiles)
+  and AVX-512 (12 x 32), bfloat16 on AVX-512 BF16 (12 x 32 tiles of `vdpbf16ps`, float32
+  accumulation). Each output sums its K products in order, whatever the number of rows: a row's
+  result is bitwise the same in any batch (the batch-invariant mode uses only this kernel).
+- ``onednn``: `torch.ops.mkldnn._linear_pointwise` on a weight reordered once (float32 and
+  bfloat16), where the C++ kernel has no path for the model's dtype on this CPU, and for the row
+  counts where it measures faster (`ONEDNN_FROM_ROWS`): then both packed copies are kept and each
+  call picks one by its number of rows.
 
-The packed weight is a second copy (the model keeps its own, untouched, for after the engine):
-weights take twice their memory while an engine runs. `prepack_weights=False` turns it off.
+The packed weight is another copy (the model keeps its own, untouched, for after the engine):
+weights take twice their memory while an engine runs (three times with both kernels).
+`prepack_weights=False` turns it off.
 """
 
 from __future__ import annotations
@@ -24,19 +26,38 @@ import logging
 
 import torch
 
+from cbserve.kernels import cpu_isa
+
 logger = logging.getLogger(__name__)
 
-PACKABLE_DTYPES = (torch.float32,)
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# The C++ kernel's path for each dtype, by the selected instruction set.
+_PATHS = {
+    torch.float32: {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2"},
+    torch.bfloat16: {"avx512_bf16": "avx512_bf16"},
+}
+# From how many rows oneDNN's kernel takes over from ours, per (path, dtype); absent: ours for every
+# row count. Measured side by side over every matrix of the default model (see the README).
+ONEDNN_FROM_ROWS: dict[tuple[str, torch.dtype], int] = {}
+
+
+def cpp_path(dtype: torch.dtype) -> str | None:
+    """The C++ kernel's instruction-set path for `dtype` on this CPU, or None."""
+    return _PATHS.get(dtype, {}).get(cpu_isa.selected())
+
+
+def kernel(dtype: torch.dtype = torch.float32) -> str:
+    """``cbserve`` when the C++ linear kernel runs `dtype` here, else ``onednn``."""
+    return _kernel(dtype, cpu_isa.selected())
 
 
 @functools.cache
-def kernel() -> str:
-    """``cbserve`` when the C++ linear kernel runs here, else ``onednn``."""
+def _kernel(dtype: torch.dtype, isa: str) -> str:
     from cbserve.kernels import cpu_kernels
 
     reason = cpu_kernels.unavailable_reason()
-    if not reason and not torch.ops.cbserve_cpu.linear_available():
-        reason = "the CPU has no AVX2 + FMA"
+    if not reason and _PATHS.get(dtype, {}).get(isa) is None:
+        reason = f"no {str(dtype).removeprefix('torch.')} path for the CPU's instruction set ({isa})"
     if reason:
         logger.info("linear weights packed for oneDNN (the C++ linear kernel is not used: %s)", reason)
         return "onednn"
@@ -44,54 +65,87 @@ def kernel() -> str:
 
 
 class PackedLinear(torch.nn.Module):
-    """Stands in for an `nn.Linear` while the engine runs; `original` is put back afterwards."""
+    """Stands in for an `nn.Linear` while the engine runs; `original` is put back afterwards.
 
-    def __init__(self, linear: torch.nn.Linear, kind: str | None = None) -> None:
+    kind: ``cbserve`` (the C++ kernel only), ``onednn`` (oneDNN only), or None: the C++ kernel when
+    it runs the dtype here, with oneDNN for calls of `ONEDNN_FROM_ROWS` rows or more.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, kind: str | None = None, isa: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kind = kind or kernel()
-        if self.kind == "cbserve" and kernel() != "cbserve":  # kernel() also loads the extension
-            raise ValueError("the C++ linear kernel is unavailable here (see the log); use kind='onednn'")
         weight = linear.weight.detach()
+        dtype = weight.dtype
+        self.kind = kind or ("cbserve" if isa else kernel(dtype))  # an explicit path: the C++ kernel
+        if self.kind not in ("cbserve", "onednn"):
+            raise ValueError(f"kind must be 'cbserve' or 'onednn', got {kind!r}")
+        self.isa = (isa or cpp_path(dtype)) if self.kind == "cbserve" else None
+        if self.kind == "cbserve" and (self.isa is None or kernel(dtype) != "cbserve" and isa is None):
+            raise ValueError(f"the C++ linear kernel has no {dtype} path here (see the log); use kind='onednn'")
         if self.kind == "cbserve":
-            self.packed = torch.ops.cbserve_cpu.pack_linear_weight(weight)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            from cbserve.kernels import cpu_kernels
+
+            cpu_kernels.load()
+        self.onednn_from = ONEDNN_FROM_ROWS.get((self.isa, dtype)) if kind is None else None
+        self.packed = self.onednn = None
+        if self.kind == "cbserve":
+            self.packed = torch.ops.cbserve_cpu.pack_linear_weight(weight, self.isa)
+        if self.kind == "onednn" or self.onednn_from is not None:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.original = [linear]  # a list: not a submodule, so its weight is not counted twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "cbserve":
-            return torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and (self.onednn_from is None or x.numel() < self.onednn_from * self.in_features):
+            return torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features, self.isa)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {self.kind}"
+        how = self.kind if self.kind == "onednn" else f"cbserve {self.isa}"
+        if self.onednn_from is not None:
+            how += f", oneDNN from {self.onednn_from} rows"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {how}"
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str:
-    """'' when the weights can be packed, else why not."""
+def unavailable_reason(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> str:
+    """'' when the weights can be packed, else why not. `batch_invariant`: for the C++ kernel only."""
     if device.type != "cpu":
         return f"weights are packed for CPUs only, the model is on {device.type}"
     if dtype not in PACKABLE_DTYPES:
         return f"packing supports {[str(d) for d in PACKABLE_DTYPES]}, the model is {dtype}"
-    if kernel() == "onednn" and not torch.backends.mkldnn.is_available():
+    if kernel(dtype) == "cbserve":
+        return ""
+    if batch_invariant:
+        from cbserve.kernels import cpu_kernels
+
+        why = cpu_kernels.unavailable_reason() or (
+            f"it has no {str(dtype).removeprefix('torch.')} path for this CPU "
+            f"(instruction set {cpu_isa.selected()}; paths: float32 on avx2/avx512, bfloat16 on avx512_bf16)")
+        return f"the batch-invariant mode needs the C++ linear kernel, and {why}"
+    if not torch.backends.mkldnn.is_available():
         return "the C++ linear kernel is unavailable and this torch build has no oneDNN (mkldnn)"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "the C++ linear kernel has no bfloat16 path here and oneDNN has no bfloat16 support on this CPU"
     return ""
 
 
-def pack_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """Replace every plain `nn.Linear` of `model` by a `PackedLinear`; returns where, for `unpack`."""
+def pack_linears(model: torch.nn.Module, batch_invariant: bool = False) -> list[tuple[torch.nn.Module, str]]:
+    """Replace every plain `nn.Linear` of `model` (the LM head too) by a `PackedLinear`; returns where,
+    for `unpack`. `batch_invariant`: the C++ kernel for every row count (never oneDNN)."""
     swapped = []
+    kind = "cbserve" if batch_invariant else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Subclasses (quantized, parallel...) keep their forward; hooked modules (tensor
             # parallelism's all-reduce) keep theirs, which would not run on a replacement.
             hooked = child._forward_hooks or child._forward_pre_hooks
             if type(child) is torch.nn.Linear and not hooked:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, kind))
                 swapped.append((parent, name))
-    logger.info("packed %d linear layers' weights (%s kernel)", len(swapped), kernel())
+    if swapped:
+        parent, name = swapped[-1]
+        how = getattr(parent, name).extra_repr().split("packed for ")[-1]
+        logger.info("packed %d linear layers' weights for %s", len(swapped), how)
     return swapped
 
 

@@ -1,172 +1,400 @@
-// float32 linear layers for CPUs with AVX2 + FMA, on weights packed once into column panels.
+// Linear layers for CPUs on weights packed once into column panels, one path per instruction set,
+// chosen at run time (`isa` argument; cpu_isa.py picks it from the CPU's flags):
 //
-// A weight [N, K] becomes ceil(N / 16) panels of [K, 16] (output columns padded with zeros), so
-// one panel is streamed front to back while a tile of up to 6 input rows multiplies it: 12
-// accumulator registers, 2 weight registers, 1 broadcast register. Panels are split across
-// ATen's threads; every row tile reuses a panel while it is still in cache, so at decode row
-// counts the weights are read from memory once per call (the step is bandwidth-bound, as it
-// should be) and larger row counts are compute-bound (K in L1-sized slices, rows in L2-sized
-// blocks). Each output sums its K products in order within a slice, then adds the slices, in
-// float.
+// - "avx2":        float32, AVX2 + FMA: panels of 16 columns [K, 16], tiles of 6 rows x 16 columns
+//                  (12 accumulator registers of 8 floats).
+// - "avx512":      float32, AVX-512: panels of 32 columns [K, 32], tiles of 12 rows x 32 columns
+//                  (24 accumulator registers of 16 floats).
+// - "avx512_bf16": bfloat16 weights and inputs, AVX-512 BF16: panels of 32 columns stored as K pairs
+//                  [ceil(K / 2), 32, 2], so one 64-byte load holds 2 K steps of 16 columns and
+//                  `vdpbf16ps` multiplies them by a broadcast pair of the input row, accumulating in
+//                  float32. Outputs are rounded to bfloat16 once (round to nearest even), after the bias.
+//
+// Each path's code is compiled with its own target attribute (never with -march=native), so one
+// build runs on any x86-64 CPU and a path is only ever called where `__builtin_cpu_supports` says
+// the CPU has it.
+//
+// Reduction order: every output element is one accumulator lane that sums its K products in
+// order k = 0, 1, ..., K - 1 (fused multiply-adds; bf16: one pair per step), then adds the bias.
+// Nothing depends on how many rows the call has, where a row falls in its tile, or on the thread
+// split: a row's result is bitwise the same in any batch (batch invariance).
+//
+// Work split: tasks are (row block, panel) pairs over ATen's threads; a row block (at most
+// ROW_BLOCK_BYTES of inputs) stays in L2 while a thread's consecutive panels pass over it; a panel
+// streams from L2 (or memory, at decode row counts, where the call is bandwidth-bound).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
-#include <vector>
+#include <string>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#define CB_HAS_AVX2 1
+#define CB_X86 1
+#define CB_AVX2 __attribute__((target("avx2,fma")))
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 #else
-#define CB_HAS_AVX2 0
+#define CB_X86 0
 #endif
 
 namespace {
 
-constexpr int64_t NR = 16;  // output columns per panel: two AVX2 vectors
-constexpr int64_t MR = 6;   // input rows per tile
-constexpr int64_t K_SLICE = 256;  // a panel slice of 256 x 16 floats: 16 KiB, half of L1
-constexpr int64_t X_BLOCK_FLOATS = 1 << 16;  // 256 KiB of input rows per block
-
-bool available() { return CB_HAS_AVX2; }
+constexpr int64_t ROW_BLOCK_BYTES = 512 << 10;
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "cbserve_cpu linear: ", what); }
 
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  check(available(), "needs a CPU with AVX2 and FMA (built without them)");
-  check(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "the weight must be a 2-D float32 tensor");
+enum class Isa { avx2, avx512, avx512_bf16 };
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx2") return Isa::avx2;
+  if (name == "avx512") return Isa::avx512;
+  if (name == "avx512_bf16") return Isa::avx512_bf16;
+  TORCH_CHECK(false, "cbserve_cpu linear: unknown isa '", name, "' (avx2, avx512, avx512_bf16)");
+}
+
+// Whether this CPU runs the path (and this build has it).
+bool cpu_has(Isa isa) {
+#if CB_X86
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::avx512_bf16:
+      return cpu_has(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+  }
+#endif
+  (void)isa;
+  return false;
+}
+
+bool isa_available(const std::string& name) { return cpu_has(parse_isa(name)); }
+
+int64_t panel_width(Isa isa) { return isa == Isa::avx2 ? 16 : 32; }
+bool is_bf16(Isa isa) { return isa == Isa::avx512_bf16; }
+
+// ------------------------------------------------------------------------------------- packing
+
+at::Tensor pack_linear_weight(const at::Tensor& weight, const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name);
+  check(weight.dim() == 2 && weight.device().is_cpu(), "the weight must be a 2-D CPU tensor");
+  const at::ScalarType dtype = is_bf16(isa) ? at::kBFloat16 : at::kFloat;
+  check(weight.scalar_type() == dtype, is_bf16(isa) ? "isa avx512_bf16 packs bfloat16 weights"
+                                                    : "isa avx2 / avx512 pack float32 weights");
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + NR - 1) / NR;
-  at::Tensor out = at::zeros({panels, k, NR}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  const int64_t n = w.size(0), k = w.size(1), nr = panel_width(isa), panels = (n + nr - 1) / nr;
+  if (!is_bf16(isa)) {
+    at::Tensor out = at::zeros({panels, k, nr}, w.options());
+    const float* src = w.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t j = 0; j < nr && p * nr + j < n; ++j)
+          for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * nr + j] = src[(p * nr + j) * k + i];
+    });
+    return out;
+  }
+  // [panels, ceil(K / 2), NR, 2]: element (i, j) of the panel at [i / 2][j][i % 2].
+  const int64_t pairs = (k + 1) / 2;
+  at::Tensor out = at::zeros({panels, pairs, nr, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < NR && p * NR + j < n; ++j)
-        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * NR + j] = src[(p * NR + j) * k + i];
+      for (int64_t j = 0; j < nr && p * nr + j < n; ++j)
+        for (int64_t i = 0; i < k; ++i) dst[((p * pairs + i / 2) * nr + j) * 2 + i % 2] = src[(p * nr + j) * k + i];
   });
   return out;
 }
 
-#if CB_HAS_AVX2
-// Accumulators are named variables, not an array: GCC keeps an array of __m256 on the stack and
+// Arguments of one panel's pass over a block of rows: y[r, col:col+cols] = x[r, :k] . panel + bias.
+struct PanelArgs {
+  const void* x;
+  int64_t ldx;  // elements
+  int64_t k;
+  const void* panel;
+  void* y;
+  int64_t ldy;
+  int64_t cols;  // <= NR: the last panel may be partial
+  const void* bias;  // bias + col, or null
+  int64_t rows;
+};
+using PanelFn = void (*)(const PanelArgs&);
+
+#if CB_X86
+// Accumulators are named variables, not arrays: GCC keeps an array of vectors on the stack and
 // stores it back on every iteration (3x slower).
-#define CB_ROW(r)                                            \
-  if constexpr (R > r) {                                     \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);  \
-    a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);            \
-    a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);            \
+
+// ------------------------------------------------------------------- AVX2, float32, 6 x 16
+
+#define CB_ROW(r)                                           \
+  if constexpr (R > r) {                                    \
+    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i); \
+    a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);           \
+    a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);           \
   }
-#define CB_STORE(r)                                                  \
-  if constexpr (R > r) {                                             \
-    float* out = y + r * ldy;                                        \
-    if (cols == NR) {                                                \
-      if (first) {                                                   \
-        _mm256_storeu_ps(out, _mm256_add_ps(a##r##0, b0));           \
-        _mm256_storeu_ps(out + 8, _mm256_add_ps(a##r##1, b1));       \
-      } else {                                                       \
-        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a##r##0));         \
-        _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_loadu_ps(out + 8), a##r##1)); \
-      }                                                              \
-    } else {                                                         \
-      _mm256_store_ps(buf, _mm256_add_ps(a##r##0, b0));              \
-      _mm256_store_ps(buf + 8, _mm256_add_ps(a##r##1, b1));          \
-      for (int64_t j = 0; j < cols; ++j) out[j] = first ? buf[j] : out[j] + buf[j]; \
-    }                                                                \
+#define CB_STORE(r)                                                               \
+  if constexpr (R > r) {                                                          \
+    float* out = y + r * ldy;                                                     \
+    const __m256 o0 = _mm256_add_ps(a##r##0, b0), o1 = _mm256_add_ps(a##r##1, b1); \
+    if (cols == 16) {                                                             \
+      _mm256_storeu_ps(out, o0);                                                  \
+      _mm256_storeu_ps(out + 8, o1);                                              \
+    } else {                                                                      \
+      _mm256_store_ps(buf, o0);                                                   \
+      _mm256_store_ps(buf + 8, o1);                                               \
+      for (int64_t j = 0; j < cols; ++j) out[j] = buf[j];                         \
+    }                                                                             \
   }
 
-// y[r, :cols] (+)= x[r, :k] . panel[:k] for R rows of x (row stride ldx): the `first` slice of
-// K writes y (plus the bias), later slices add to it.
 template <int R>
-inline void tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy, int64_t cols,
-                 const float* bias, bool first) {
+CB_AVX2 inline void tile_avx2(const float* x, int64_t ldx, int64_t k, const float* panel, float* y, int64_t ldy,
+                              int64_t cols, const float* bias) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
   __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_load_ps(panel + i * NR), w1 = _mm256_load_ps(panel + i * NR + 8);
+    const __m256 w0 = _mm256_load_ps(panel + i * 16), w1 = _mm256_load_ps(panel + i * 16 + 8);
     CB_ROW(0) CB_ROW(1) CB_ROW(2) CB_ROW(3) CB_ROW(4) CB_ROW(5)
   }
-  // The bias joins the first slice only; a partial panel (the last one) goes through `buf`.
-  alignas(32) float buf[NR];
-  __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-  if (first && bias) {
-    for (int64_t j = 0; j < cols; ++j) buf[j] = bias[j];
-    for (int64_t j = cols; j < NR; ++j) buf[j] = 0.f;
-    b0 = _mm256_load_ps(buf);
-    b1 = _mm256_load_ps(buf + 8);
-  }
+  alignas(32) float buf[16];
+  for (int64_t j = 0; j < 16; ++j) buf[j] = bias && j < cols ? bias[j] : 0.f;
+  const __m256 b0 = _mm256_load_ps(buf), b1 = _mm256_load_ps(buf + 8);
   CB_STORE(0) CB_STORE(1) CB_STORE(2) CB_STORE(3) CB_STORE(4) CB_STORE(5)
 }
 #undef CB_ROW
 #undef CB_STORE
 
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*, bool);
-constexpr TileFn TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+CB_AVX2 void panel_avx2(const PanelArgs& a) {
+  const float* x = static_cast<const float*>(a.x);
+  const float* panel = static_cast<const float*>(a.panel);
+  const float* bias = static_cast<const float*>(a.bias);
+  float* y = static_cast<float*>(a.y);
+  int64_t r = 0;
+  for (; r + 6 <= a.rows; r += 6) tile_avx2<6>(x + r * a.ldx, a.ldx, a.k, panel, y + r * a.ldy, a.ldy, a.cols, bias);
+  const float* xr = x + r * a.ldx;
+  float* yr = y + r * a.ldy;
+  switch (a.rows - r) {
+    case 5: tile_avx2<5>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;
+    case 4: tile_avx2<4>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;
+    case 3: tile_avx2<3>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;
+    case 2: tile_avx2<2>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;
+    case 1: tile_avx2<1>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;
+    default: break;
+  }
+}
+
+// --------------------------------------------------------------- AVX-512, float32, 12 x 32
+
+#define CB_ROW(r)                                           \
+  if constexpr (R > r) {                                    \
+    const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);       \
+    a##r##0 = _mm512_fmadd_ps(xb, w0, a##r##0);           \
+    a##r##1 = _mm512_fmadd_ps(xb, w1, a##r##1);           \
+  }
+#define CB_STORE(r)                                                              \
+  if constexpr (R > r) {                                                         \
+    float* out = y + r * ldy;                                                    \
+    _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(a##r##0, b0));                  \
+    _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(a##r##1, b1));             \
+  }
+
+template <int R>
+CB_AVX512 inline void tile_avx512(const float* x, int64_t ldx, int64_t k, const float* panel, float* y,
+                                  int64_t ldy, int64_t cols, const float* bias) {
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m512 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  __m512 a60 = a00, a61 = a00, a70 = a00, a71 = a00, a80 = a00, a81 = a00;
+  __m512 a90 = a00, a91 = a00, a100 = a00, a101 = a00, a110 = a00, a111 = a00;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m512 w0 = _mm512_load_ps(panel + i * 32), w1 = _mm512_load_ps(panel + i * 32 + 16);
+    CB_ROW(0) CB_ROW(1) CB_ROW(2) CB_ROW(3) CB_ROW(4) CB_ROW(5)
+    CB_ROW(6) CB_ROW(7) CB_ROW(8) CB_ROW(9) CB_ROW(10) CB_ROW(11)
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  CB_STORE(0) CB_STORE(1) CB_STORE(2) CB_STORE(3) CB_STORE(4) CB_STORE(5)
+  CB_STORE(6) CB_STORE(7) CB_STORE(8) CB_STORE(9) CB_STORE(10) CB_STORE(11)
+}
+#undef CB_ROW
+#undef CB_STORE
+
+// ---------------------------------------------------------- AVX-512 BF16, bfloat16, 12 x 32
+
+// The input pair (x[k], x[k + 1]) as one 32-bit lane, broadcast; the last of an odd K pairs with 0.
+#define CB_ROW(r)                                                                              \
+  if constexpr (R > r) {                                                                       \
+    int32_t pair;                                                                              \
+    std::memcpy(&pair, x + r * ldx + 2 * i, 4);                                                \
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                                     \
+    a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, w0);                                               \
+    a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, w1);                                               \
+  }
+#define CB_TAIL(r)                                                                             \
+  if constexpr (R > r) {                                                                       \
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * ldx + k - 1])); \
+    a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, w0);                                               \
+    a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, w1);                                               \
+  }
+#define CB_STORE(r)                                                                                     \
+  if constexpr (R > r) {                                                                                \
+    uint16_t* out = y + r * ldy;                                                                        \
+    _mm256_mask_storeu_epi16(out, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a##r##0, b0)));         \
+    _mm256_mask_storeu_epi16(out + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a##r##1, b1)));    \
+  }
+
+CB_AVX512BF16 inline __m512 bf16_to_f32(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <int R>
+CB_AVX512BF16 inline void tile_bf16(const uint16_t* x, int64_t ldx, int64_t k, const uint16_t* panel,
+                                    uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m512 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  __m512 a60 = a00, a61 = a00, a70 = a00, a71 = a00, a80 = a00, a81 = a00;
+  __m512 a90 = a00, a91 = a00, a100 = a00, a101 = a00, a110 = a00, a111 = a00;
+  const int64_t full = k / 2;
+  for (int64_t i = 0; i < full; ++i) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + i * 64);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + i * 64 + 32);
+    CB_ROW(0) CB_ROW(1) CB_ROW(2) CB_ROW(3) CB_ROW(4) CB_ROW(5)
+    CB_ROW(6) CB_ROW(7) CB_ROW(8) CB_ROW(9) CB_ROW(10) CB_ROW(11)
+  }
+  if (k % 2) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + full * 64);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + full * 64 + 32);
+    CB_TAIL(0) CB_TAIL(1) CB_TAIL(2) CB_TAIL(3) CB_TAIL(4) CB_TAIL(5)
+    CB_TAIL(6) CB_TAIL(7) CB_TAIL(8) CB_TAIL(9) CB_TAIL(10) CB_TAIL(11)
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? bf16_to_f32(_mm256_maskz_loadu_epi16(m0, bias)) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? bf16_to_f32(_mm256_maskz_loadu_epi16(m1, bias + 16)) : _mm512_setzero_ps();
+  CB_STORE(0) CB_STORE(1) CB_STORE(2) CB_STORE(3) CB_STORE(4) CB_STORE(5)
+  CB_STORE(6) CB_STORE(7) CB_STORE(8) CB_STORE(9) CB_STORE(10) CB_STORE(11)
+}
+#undef CB_ROW
+#undef CB_TAIL
+#undef CB_STORE
+
+// Row tiles of 12, then one tile of the remaining rows.
+#define CB_PANEL_12(NAME, TILE, T, ATTR)                                                       \
+  ATTR void NAME(const PanelArgs& a) {                                                         \
+    const T* x = static_cast<const T*>(a.x);                                                   \
+    const T* panel = static_cast<const T*>(a.panel);                                           \
+    const T* bias = static_cast<const T*>(a.bias);                                             \
+    T* y = static_cast<T*>(a.y);                                                               \
+    int64_t r = 0;                                                                             \
+    for (; r + 12 <= a.rows; r += 12)                                                          \
+      TILE<12>(x + r * a.ldx, a.ldx, a.k, panel, y + r * a.ldy, a.ldy, a.cols, bias);          \
+    const T* xr = x + r * a.ldx;                                                               \
+    T* yr = y + r * a.ldy;                                                                     \
+    switch (a.rows - r) {                                                                      \
+      case 11: TILE<11>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                \
+      case 10: TILE<10>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                \
+      case 9: TILE<9>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 8: TILE<8>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 7: TILE<7>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 6: TILE<6>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 5: TILE<5>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 4: TILE<4>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 3: TILE<3>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 2: TILE<2>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      case 1: TILE<1>(xr, a.ldx, a.k, panel, yr, a.ldy, a.cols, bias); break;                  \
+      default: break;                                                                          \
+    }                                                                                          \
+  }
+
+CB_PANEL_12(panel_avx512, tile_avx512, float, CB_AVX512)
+CB_PANEL_12(panel_bf16, tile_bf16, uint16_t, CB_AVX512BF16)
+#undef CB_PANEL_12
+#endif  // CB_X86
+
+PanelFn panel_fn(Isa isa) {
+#if CB_X86
+  switch (isa) {
+    case Isa::avx2: return panel_avx2;
+    case Isa::avx512: return panel_avx512;
+    case Isa::avx512_bf16: return panel_bf16;
+  }
 #endif
+  (void)isa;
+  return nullptr;
+}
+
+// ----------------------------------------------------------------------------------- the op
 
 at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  check(available(), "needs a CPU with AVX2 and FMA (built without them)");
+                         int64_t out_features, const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name);
+  check(cpu_has(isa), "this CPU lacks the instruction set of the requested path");
   check(input.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
-  check(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
-  check(packed.dim() == 3 && packed.size(2) == NR, "the weight must come from pack_linear_weight");
-  const int64_t k = packed.size(1), panels = packed.size(0);
-  check(input.size(-1) == k, "the input's last dimension must equal the weight's in_features");
-  check(panels == (out_features + NR - 1) / NR, "out_features does not match the packed weight");
-  check(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
-        "the packed weight must be contiguous and 32-byte aligned");
+  const at::ScalarType dtype = is_bf16(isa) ? at::kBFloat16 : at::kFloat;
+  check(input.scalar_type() == dtype && packed.scalar_type() == dtype,
+        is_bf16(isa) ? "isa avx512_bf16 takes bfloat16 inputs and weights" : "isa avx2 / avx512 take float32");
+  const int64_t nr = panel_width(isa), k = input.size(-1), panels = packed.size(0);
+  if (is_bf16(isa)) {
+    check(packed.dim() == 4 && packed.size(2) == nr && packed.size(3) == 2 && packed.size(1) == (k + 1) / 2,
+          "the weight must come from pack_linear_weight(..., 'avx512_bf16') with in_features = input.size(-1)");
+  } else {
+    check(packed.dim() == 3 && packed.size(2) == nr && packed.size(1) == k,
+          "the weight must come from pack_linear_weight with this isa and in_features = input.size(-1)");
+  }
+  check(panels == (out_features + nr - 1) / nr, "out_features does not match the packed weight");
+  check(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+        "the packed weight must be contiguous and 64-byte aligned");
   const at::Tensor x = input.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor y = at::empty(shape, x.options());
   const int64_t m = k ? x.numel() / k : 0;
   if (m == 0) return y;
+  if (k == 0) return y.zero_().add_(bias && bias->defined() ? *bias : at::zeros({out_features}, y.options()));
   std::optional<at::Tensor> b;
   if (bias && bias->defined()) {
-    check(bias->scalar_type() == at::kFloat && bias->numel() == out_features,
-          "the bias must be float32 [out_features]");
+    check(bias->scalar_type() == dtype && bias->numel() == out_features && bias->device().is_cpu(),
+          "the bias must be a CPU tensor [out_features] of the input's dtype");
     b = bias->contiguous();
   }
-#if CB_HAS_AVX2
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  const float* bp = b ? b->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t n = out_features;
-  // Rows in blocks, K in slices: a panel's slice (16 KiB) stays in L1 while every row tile of
-  // the block passes over it, the block's inputs stay in L2, and the panels come back from L3
-  // for the next block. Decode row counts are one block.
-  const int64_t slice = m <= MR ? k : std::min(k, K_SLICE);  // one tile: nothing to reuse, stream K
-  const int64_t rows = std::max<int64_t>(MR, X_BLOCK_FLOATS / std::max<int64_t>(slice, 1) / MR * MR);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += rows) {
-      const int64_t r1 = std::min(m, r0 + rows);
-      for (int64_t k0 = 0; k0 < k; k0 += slice) {
-        const int64_t kk = std::min(slice, k - k0);
-        for (int64_t p = begin; p < end; ++p) {
-          const float* panel = wp + (p * k + k0) * NR;
-          const int64_t col = p * NR, cols = std::min(NR, n - col);
-          const float* pb = bp ? bp + col : nullptr;
-          for (int64_t r = r0; r < r1; r += MR) {
-            TILES[std::min(MR, r1 - r)](xp + r * k + k0, k, kk, panel, yp + r * n + col, n, cols, pb, k0 == 0);
-          }
-        }
-      }
+  const PanelFn fn = panel_fn(isa);
+  check(fn != nullptr, "this build has no kernel for the requested path (not an x86-64 build)");
+  const int64_t elem = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  const char* bp = b ? static_cast<const char*>(b->data_ptr()) : nullptr;
+  char* yp = static_cast<char*>(y.data_ptr());
+  const int64_t n = out_features, panel_bytes = packed.numel() / panels * elem;
+  // Blocks of equal size (in whole 12-row tiles) holding at most ROW_BLOCK_BYTES of inputs each.
+  const int64_t blocks = std::max<int64_t>(1, (m * k * elem + ROW_BLOCK_BYTES - 1) / ROW_BLOCK_BYTES);
+  const int64_t block = ((m + blocks - 1) / blocks + 11) / 12 * 12, nblocks = (m + block - 1) / block;
+  at::parallel_for(0, nblocks * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t / panels * block, p = t % panels, col = p * nr;
+      PanelArgs a{xp + r0 * k * elem, k, k, wp + p * panel_bytes, yp + (r0 * n + col) * elem, n,
+                  std::min(nr, n - col), bp ? bp + col * elem : nullptr, std::min(block, m - r0)};
+      fn(a);
     }
   });
-#endif
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
-  m.def("linear_available() -> bool", &available);
-  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
-  m.def("packed_linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor", &packed_linear);
+  m.def("linear_isa_available(str isa) -> bool", &isa_available);
+  m.def("pack_linear_weight(Tensor weight, str isa) -> Tensor", &pack_linear_weight);
+  m.def("packed_linear(Tensor input, Tensor packed, Tensor? bias, int out_features, str isa) -> Tensor",
+        &packed_linear);
 }

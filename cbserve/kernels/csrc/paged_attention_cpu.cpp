@@ -1,0 +1,444 @@
+// Paged attention for CPUs, read straight from the pages through the block table (no gathered
+// copy): packed query rows of several requests (decode rows, prefill chunks, or both), each
+// causal over its request's cached tokens, GQA by reading each KV head once for its group of
+// query heads, optional sliding window and soft-capping.
+//
+// One routine computes every query row, whatever the batch around it: the scores of the row's
+// visible positions in order, their maximum, exp and sum in order, then the probability-weighted
+// sum of V rows in order, all in float (double for double tensors), and one division. A row's
+// result therefore depends only on its own query, its position and its request's K/V: not on the
+// other rows of the call, on chunk boundaries, on decode vs prefill, or on the thread split
+// (batch invariance).
+//
+// Paths by instruction set, chosen at run time (`isa`): "generic" (plain C++, any dtype),
+// "avx2" and "avx512" (float32 and bfloat16 K/V, bfloat16 widened to float32), "avx512_bf16"
+// (bfloat16: q.k through `vdpbf16ps`, float32 accumulation). Each path is compiled with its own
+// target attribute (its entry is `flatten`ed so the vector helpers inline into it).
+//
+// Work split: tasks are (query row, KV head group) pairs; a task reads whole token rows (every
+// KV head) so K/V stream sequentially, and with fewer rows than ~4 per thread tasks split by KV
+// head instead. Tasks go to threads in turn (strided), which balances causal prefill rows.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define CB_X86 1
+#define CB_AVX2 __attribute__((target("avx2,fma")))
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#else
+#define CB_X86 0
+#endif
+
+namespace {
+
+struct Args {
+  const void* q;  // [T, H, D]
+  const void* k;  // [blocks, page, kvH, D]
+  const void* v;
+  void* out;  // [T, H, D]
+  const int64_t* tables;  // [B, width]
+  const int64_t* lens;  // [B]
+  const int64_t* row_request;  // [T]: the request of each query row
+  const int64_t* row_position;  // [T]: its position
+  int64_t heads, dim, page_size, kv_heads, width, window;
+  double scale, softcap;
+};
+
+// Calls f(j, slot) for the positions [first, last] of a request, j counting from 0, walking the
+// block table a page at a time (one division per page, not per token).
+template <typename F>
+inline void for_each_slot(const int64_t* table, int64_t page_size, int64_t first, int64_t last, F&& f) {
+  for (int64_t pos = first; pos <= last;) {
+    const int64_t off = pos % page_size;
+    const int64_t count = std::min(page_size - off, last + 1 - pos);
+    const int64_t base = table[pos / page_size] * page_size + off;
+    for (int64_t t = 0; t < count; ++t) f(pos - first + t, base + t);
+    pos += count;
+  }
+}
+
+// --------------------------------------------------------------------------- vector helpers
+//
+// Ops<T> provides, for query rows held as Q and K/V stored as T, accumulating in Acc:
+//   load_q(Q* dst, const T* src, d); dot(const Q* q, const T* k, d) -> Acc;
+//   exp_sum(Acc* s, n, top) -> sum of s[j] = exp(s[j] - top), in place;
+//   axpy(Acc* acc, Acc p, const T* v, d): acc += p * v.
+
+template <typename T>
+struct Generic {
+  using Acc = at::opmath_type<T>;
+  using Q = Acc;
+  static void load_q(Q* dst, const T* src, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Acc>(src[i]);
+  }
+  // Eight independent partial sums so that the compiler vectorizes without reassociating.
+  static Acc dot(const Q* q, const T* k, int64_t n) {
+    Acc s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      for (int j = 0; j < 8; ++j) s[j] += q[i + j] * static_cast<Acc>(k[i + j]);
+    }
+    Acc r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; ++i) r += q[i] * static_cast<Acc>(k[i]);
+    return r;
+  }
+  static Acc exp_sum(Acc* s, int64_t n, Acc top) {
+    Acc sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - top);
+      sum += s[j];
+    }
+    return sum;
+  }
+  static void axpy(Acc* acc, Acc p, const T* v, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<Acc>(v[i]);
+  }
+};
+
+#if CB_X86
+// exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a polynomial in r, times
+// 2^n); below -87.3 (e.g. -inf) the result is flushed to 0.
+#define CB_EXP_POLY(V, set1, fmadd, mul, add)                  \
+  V r = fmadd(n, set1(-0.693359375f), xc);                     \
+  r = fmadd(n, set1(2.12194440e-4f), r);                       \
+  V p = set1(1.9875691500e-4f);                                \
+  p = fmadd(p, r, set1(1.3981999507e-3f));                     \
+  p = fmadd(p, r, set1(8.3334519073e-3f));                     \
+  p = fmadd(p, r, set1(4.1665795894e-2f));                     \
+  p = fmadd(p, r, set1(1.6666665459e-1f));                     \
+  p = fmadd(p, r, set1(5.0000001201e-1f));                     \
+  p = fmadd(p, mul(r, r), add(r, set1(1.0f)));
+
+constexpr float EXP_LOW = -87.33654f, LOG2E = 1.44269504088896341f;
+
+CB_AVX2 inline __m256 exp_avx2(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(EXP_LOW);
+  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  CB_EXP_POLY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
+}
+
+CB_AVX512 inline __m512 exp_avx512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(EXP_LOW);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  CB_EXP_POLY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps)
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+#undef CB_EXP_POLY
+
+CB_AVX2 inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
+CB_AVX2 inline __m256 load8_avx2(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+CB_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T>
+struct Avx2 {
+  using Acc = float;
+  using Q = float;
+  CB_AVX2 static void load_q(Q* dst, const T* src, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  CB_AVX2 static float dot(const float* q, const T* k, int64_t d) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_avx2(k + i), s);
+    float r = hsum_avx2(s);
+    for (; i < d; ++i) r += q[i] * static_cast<float>(k[i]);
+    return r;
+  }
+  CB_AVX2 static float exp_sum(float* s, int64_t n, float top) {
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), t));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (j < n) {  // the tail through a buffer padded with -inf (exp: 0)
+      alignas(32) float buf[8];
+      for (int64_t i = 0; i < 8; ++i) buf[i] = j + i < n ? s[j + i] : -std::numeric_limits<float>::infinity();
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_load_ps(buf), t));
+      _mm256_store_ps(buf, e);
+      sum = _mm256_add_ps(sum, e);
+      for (int64_t i = 0; j + i < n; ++i) s[j + i] = buf[i];
+    }
+    return hsum_avx2(sum);
+  }
+  CB_AVX2 static void axpy(float* acc, float p, const T* v, int64_t d) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
+    for (; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+  }
+};
+
+CB_AVX512 inline __mmask16 tail16(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+CB_AVX512 inline __m512 load16_avx512(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+CB_AVX512 inline __m512 load16_avx512(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+struct Avx512 {
+  using Acc = float;
+  using Q = float;
+  CB_AVX512 static void load_q(Q* dst, const T* src, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+  CB_AVX512 static float dot(const float* q, const T* k, int64_t d) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = tail16(d - i);
+      s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), load16_avx512(k + i, m), s);
+    }
+    return _mm512_reduce_add_ps(s);
+  }
+  CB_AVX512 static float exp_sum(float* s, int64_t n, float top) {
+    const __m512 t = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail16(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), t)));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+  }
+  CB_AVX512 static void axpy(float* acc, float p, const T* v, int64_t d) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = tail16(d - i);
+      _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(pv, load16_avx512(v + i, m), _mm512_maskz_loadu_ps(m, acc + i)));
+    }
+  }
+};
+
+// bfloat16 K/V with the query kept in bfloat16: q.k by `vdpbf16ps` (pairs of products, float32
+// accumulation), the rest as Avx512.
+struct Avx512Bf16 : Avx512<c10::BFloat16> {
+  using Q = c10::BFloat16;
+  CB_AVX512BF16 static void load_q(Q* dst, const c10::BFloat16* src, int64_t d) { std::copy(src, src + d, dst); }
+  CB_AVX512BF16 static float dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t d) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+      const __mmask32 m = d - i >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (d - i)) - 1);
+      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_maskz_loadu_epi16(m, q + i), (__m512bh)_mm512_maskz_loadu_epi16(m, k + i));
+    }
+    return _mm512_reduce_add_ps(s);
+  }
+};
+#endif  // CB_X86
+
+// ------------------------------------------------------------------------------ the routine
+
+template <class Ops>
+struct Buffers {
+  std::vector<typename Ops::Q> q;
+  std::vector<typename Ops::Acc> scores, acc, top, inv;
+};
+
+// Query heads [g0 * group, + nq) of query row `row` (KV heads [g0, + nq / group)).
+template <class Ops, typename T>
+inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, Buffers<Ops>& buf) {
+  using A = typename Ops::Acc;
+  const int64_t dim = a.dim, group = a.heads / a.kv_heads, kv_row = a.kv_heads * dim;
+  const int64_t b = a.row_request[row], pos = a.row_position[row];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  const int64_t n = pos + 1 - first;
+  const int64_t* table = a.tables + b * a.width;
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  const T* qrow = static_cast<const T*>(a.q) + (row * a.heads + g0 * group) * dim;
+  const A scale = static_cast<A>(a.scale), cap = static_cast<A>(a.softcap);
+  buf.q.resize(nq * dim);
+  for (int64_t h = 0; h < nq; ++h) Ops::load_q(buf.q.data() + h * dim, qrow + h * dim, dim);
+  buf.scores.resize(nq * n);
+  buf.top.assign(nq, -std::numeric_limits<A>::infinity());
+  buf.inv.resize(nq);
+  A* scores = buf.scores.data();
+  for_each_slot(table, a.page_size, first, pos, [&](int64_t j, int64_t slot) {
+    const T* krow = kp + slot * kv_row + g0 * dim;
+    for (int64_t h = 0; h < nq; ++h) {
+      A s = Ops::dot(buf.q.data() + h * dim, krow + (h / group) * dim, dim) * scale;
+      if (cap > 0) s = cap * std::tanh(s / cap);
+      scores[h * n + j] = s;
+      buf.top[h] = std::max(buf.top[h], s);
+    }
+  });
+  for (int64_t h = 0; h < nq; ++h) buf.inv[h] = A(1) / Ops::exp_sum(scores + h * n, n, buf.top[h]);
+  buf.acc.assign(nq * dim, A(0));
+  for_each_slot(table, a.page_size, first, pos, [&](int64_t j, int64_t slot) {
+    const T* vrow = vp + slot * kv_row + g0 * dim;
+    for (int64_t h = 0; h < nq; ++h) Ops::axpy(buf.acc.data() + h * dim, scores[h * n + j], vrow + (h / group) * dim, dim);
+  });
+  T* orow = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * dim;
+  for (int64_t h = 0; h < nq; ++h) {
+    for (int64_t d = 0; d < dim; ++d) orow[h * dim + d] = static_cast<T>(buf.acc[h * dim + d] * buf.inv[h]);
+  }
+}
+
+// The tasks of one thread: [first, tasks) in steps of `stride`.
+struct Tasks {
+  int64_t first, stride, count, splits;
+};
+
+template <class Ops, typename T>
+inline void run_tasks(const Args& a, const Tasks& t) {
+  Buffers<Ops> buf;
+  const int64_t per_task = a.kv_heads / t.splits, group = a.heads / a.kv_heads;
+  for (int64_t task = t.first; task < t.count; task += t.stride) {
+    attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, buf);
+  }
+}
+
+using RunFn = void (*)(const Args&, const Tasks&);
+
+template <typename T>
+void run_generic(const Args& a, const Tasks& t) { run_tasks<Generic<T>, T>(a, t); }
+
+#if CB_X86
+template <typename T>
+CB_AVX2 __attribute__((flatten)) void run_avx2(const Args& a, const Tasks& t) { run_tasks<Avx2<T>, T>(a, t); }
+template <typename T>
+CB_AVX512 __attribute__((flatten)) void run_avx512(const Args& a, const Tasks& t) { run_tasks<Avx512<T>, T>(a, t); }
+CB_AVX512BF16 __attribute__((flatten)) void run_avx512_bf16(const Args& a, const Tasks& t) {
+  run_tasks<Avx512Bf16, c10::BFloat16>(a, t);
+}
+#endif
+
+bool cpu_has(const std::string& isa) {
+  if (isa == "generic") return true;
+#if CB_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == "avx2") return avx2;
+  if (isa == "avx512") return avx512;
+  if (isa == "avx512_bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+  TORCH_CHECK(isa == "avx2" || isa == "avx512" || isa == "avx512_bf16",
+              "cbserve_cpu attention: unknown isa '", isa, "' (generic, avx2, avx512, avx512_bf16)");
+  return false;
+}
+
+bool attention_isa_available(const std::string& isa) { return cpu_has(isa); }
+
+// The path for this dtype and isa: float32 / bfloat16 get the isa's vector path, other dtypes
+// (and bfloat16's q.k below avx512_bf16: widened) the generic or widened ones.
+RunFn pick(at::ScalarType dtype, const std::string& isa) {
+#if CB_X86
+  if (dtype == at::kFloat) {
+    if (isa == "avx512" || isa == "avx512_bf16") return run_avx512<float>;
+    if (isa == "avx2") return run_avx2<float>;
+  }
+  if (dtype == at::kBFloat16) {
+    if (isa == "avx512_bf16") return run_avx512_bf16;
+    if (isa == "avx512") return run_avx512<c10::BFloat16>;
+    if (isa == "avx2") return run_avx2<c10::BFloat16>;
+  }
+#endif
+  switch (dtype) {
+    case at::kFloat: return run_generic<float>;
+    case at::kDouble: return run_generic<double>;
+    case at::kBFloat16: return run_generic<c10::BFloat16>;
+    case at::kHalf: return run_generic<c10::Half>;
+    default: TORCH_CHECK(false, "cbserve_cpu attention: unsupported dtype ", dtype);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                           const std::string& isa) {
+  TORCH_CHECK(cpu_has(isa), "cbserve_cpu attention: this CPU lacks the instruction set of path '", isa, "'");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [T, H, D] and caches [blocks, page, kvH, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(3), "shape mismatch");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              cu_seqlens_q.scalar_type() == at::kLong, "int64 tables, lengths and cu_seqlens_q");
+  const int64_t batch = block_tables.size(0), rows = q.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.numel() == batch &&
+              cu_seqlens_q.numel() == batch + 1, "one block table row, context length and cu_seqlens_q entry per request");
+  const at::Tensor lens = context_lens.contiguous(), cu = cu_seqlens_q.contiguous();
+  const int64_t* cup = cu.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(cup[0] == 0 && cup[batch] <= rows, "cu_seqlens_q must start at 0 and end within q's rows");
+  std::vector<int64_t> row_request(rows, 0), row_position(rows, 0);
+  const int64_t page_size = k_cache.size(1), width = block_tables.size(1);
+  int64_t used = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lo = cup[b], hi = cup[b + 1];
+    TORCH_CHECK(lo <= hi && hi - lo <= lp[b] && lp[b] <= width * page_size,
+                "request ", b, ": its query rows must fit its context, and its context its block table");
+    for (int64_t r = lo; r < hi; ++r) {
+      row_request[r] = b;
+      row_position[r] = lp[b] - (hi - r);
+    }
+    used = hi;
+  }
+  auto out = at::empty_like(q);
+  if (used < rows) out.narrow(0, used, rows - used).zero_();  // rows of no request
+  if (used == 0) return out;
+  Args a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr<int64_t>(), lp,
+         row_request.data(), row_position.data(), q.size(1), q.size(2), page_size, k_cache.size(2), width,
+         window, scale, softcap};
+  const RunFn run = pick(q.scalar_type(), isa);
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = used >= 4 * threads ? 1 : a.kv_heads;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run(a, Tasks{t, threads, used * splits, splits});
+  });
+  return out;
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        int64_t window, double softcap, const std::string& isa) {
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == block_tables.size(0), "one query row per request");
+  const at::Tensor cu = at::arange(q.size(0) + 1, block_tables.options().dtype(at::kLong));
+  return paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, scale, window, softcap, isa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cbserve_cpu, m) {
+  m.def("attention_isa_available(str isa) -> bool", &attention_isa_available);
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window, float softcap, str isa) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int window, float softcap, str isa) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+}
