@@ -1,8 +1,14 @@
 """cbserve: a continuous-batching LLM inference engine with a paged KV cache."""
 
-from cbserve.api import continuous_batching, generate_batch, init_continuous_batching
+from cbserve.api import (
+    continuous_batching,
+    destroy_cached_continuous_batching_manager,
+    generate_batch,
+    init_continuous_batching,
+)
+from cbserve.compat import attach, detach
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.errors import InvalidRequestError
+from cbserve.errors import InvalidRequestError, QueueFullError
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.models import load_model
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
@@ -14,8 +20,12 @@ __all__ = [
     "FinishReason",
     "GenerationOutput",
     "InvalidRequestError",
+    "QueueFullError",
     "RequestStatus",
+    "attach",
     "continuous_batching",
+    "destroy_cached_continuous_batching_manager",
+    "detach",
     "generate_batch",
     "init_continuous_batching",
     "load_model",

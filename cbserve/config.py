@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,13 @@ class ContinuousBatchingConfig(BaseModel):
     use_cuda_graph: bool | tuple[bool, bool] | None = None
     q_padding_interval_size: int = Field(0, ge=0)
     kv_padding_interval_size: int = Field(0, ge=0)
-    varlen_compile_config: dict[str, Any] | None = None
-    decode_compile_config: dict[str, Any] | None = None
+    varlen_compile_config: dict[str, Any] | None = Field(
+        None, description="torch.compile keyword arguments for prefill / mixed steps: a dict or a transformers "
+        "CompileConfig (read as its to_dict())"
+    )
+    decode_compile_config: dict[str, Any] | None = Field(
+        None, description="torch.compile keyword arguments for decode-only steps: a dict or a CompileConfig"
+    )
     default_compile_level: int = Field(0, ge=0, le=3)
     scheduler: Literal["fifo", "prefill_first"] = "fifo"
     safety_margin: float | None = Field(None, ge=0.0, le=1.0)
@@ -60,7 +66,10 @@ class ContinuousBatchingConfig(BaseModel):
     )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
-    max_queue_size: int = Field(0, ge=0)
+    max_queue_size: int = Field(
+        0, ge=0, description="requests waiting to be admitted (queued in the manager or the scheduler) beyond which "
+        "add_request refuses with QueueFullError; 0: unbounded"
+    )
     per_request_processors: bool = False
     cpu_group_timeout: float | None = Field(300.0, gt=0.0)
     tp_size: int = Field(1, ge=1)
@@ -71,6 +80,14 @@ class ContinuousBatchingConfig(BaseModel):
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)
     scheduler_type: Literal["fifo", "prefill_first"] | None = Field(None, exclude=True)
+
+    @field_validator("varlen_compile_config", "decode_compile_config", mode="before")
+    @classmethod
+    def _compile_config_dict(cls, value: Any) -> Any:
+        """transformers passes `CompileConfig` objects: their fields are torch.compile's arguments."""
+        if value is not None and not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
+            return value.to_dict()
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -105,3 +122,55 @@ class ContinuousBatchingConfig(BaseModel):
         if self.safety_margin is not None:
             return self.safety_margin
         return DEFAULT_SAFETY_MARGIN[self.scheduler]
+
+
+# transformers' ContinuousBatchingConfig fields with no counterpart here, and why they change nothing.
+TRANSFORMERS_ONLY_FIELDS = {
+    "drop_unsupported_processors": "cbserve honours every GenerationConfig field transformers' engine does and "
+                                   "refuses the others when the engine is built: no processor is dropped",
+    "disable_nccl_graph_mixing": "cbserve's tensor parallelism replays no graph-captured NCCL calls",
+    "use_default_compile_configs": "deprecated in transformers: read as default_compile_level",
+    "max_cached_graphs": "deprecated in transformers",
+    "block_size": "deprecated in transformers: read as page_size",
+}
+
+
+def from_transformers(config: Any) -> ContinuousBatchingConfig:
+    """cbserve's config for a `transformers.ContinuousBatchingConfig`: every field set away from
+    transformers' default is carried over (validated here), those without a counterpart are logged."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if value == default or value is None:
+            continue
+        if f.name in TRANSFORMERS_ONLY_FIELDS:
+            logger.info("ContinuousBatchingConfig.%s=%r not used: %s", f.name, value, TRANSFORMERS_ONLY_FIELDS[f.name])
+        elif f.name == "scheduler_type":
+            values["scheduler"] = value
+        elif f.name in ContinuousBatchingConfig.model_fields:
+            values[f.name] = value
+        else:
+            logger.warning("ContinuousBatchingConfig.%s=%r is unknown to cbserve and ignored", f.name, value)
+    return ContinuousBatchingConfig(**values)
+
+
+def resolve(config: Any = None, generation_config: Any = None) -> ContinuousBatchingConfig:
+    """The engine config for what a caller passed: cbserve's config, a dict of its fields, or
+    transformers' config; when None, the one nested in `generation_config` (deprecated in
+    transformers, honoured as it does), else the defaults."""
+    if config is None:
+        config = getattr(generation_config, "continuous_batching_config", None)
+        if config is not None:
+            logger.warning("Passing ContinuousBatchingConfig through GenerationConfig is deprecated. Please pass it "
+                           "separately using the continuous_batching_config kwarg.")
+    if config is None:
+        return ContinuousBatchingConfig()
+    if isinstance(config, ContinuousBatchingConfig):
+        return config
+    if isinstance(config, dict):
+        return ContinuousBatchingConfig(**config)
+    if dataclasses.is_dataclass(config) and type(config).__name__ == "ContinuousBatchingConfig":
+        return from_transformers(config)
+    raise TypeError(f"continuous_batching_config must be a cbserve or transformers ContinuousBatchingConfig or a dict, "
+                    f"got {type(config).__name__}")

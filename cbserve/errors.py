@@ -1,10 +1,13 @@
-"""The one error a refused request raises, wherever it enters (Python API, HTTP, gRPC, batch).
+"""The errors a refused request raises, wherever it enters (Python API, HTTP, gRPC, batch).
 
-It carries the offending field, so each front maps it without reading the message: HTTP to a 400
-with OpenAI's `param`, gRPC to INVALID_ARGUMENT, the batch job to a failed line.
+`InvalidRequestError` carries the offending field, so each front maps it without reading the
+message: HTTP to a 400 with OpenAI's `param`, gRPC to INVALID_ARGUMENT, the batch job to a failed
+line. `QueueFullError` is an overload (the waiting queue is full), not a bad request.
 """
 
 from __future__ import annotations
+
+import queue
 
 
 class InvalidRequestError(ValueError):
@@ -15,3 +18,15 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.field = field
         self.message = message
+
+
+class QueueFullError(queue.Full):
+    """A request refused because the manager's waiting queue holds `max_queue_size` requests
+    already: an overload, not a bad request (HTTP maps it to its overload answer). A `queue.Full`,
+    as transformers' manager raises when its input queue stays full."""
+
+    def __init__(self, max_queue_size: int, waiting: int) -> None:
+        super().__init__(f"the waiting queue is full: {waiting} requests wait for max_queue_size={max_queue_size}; "
+                         "retry later")
+        self.max_queue_size = max_queue_size
+        self.waiting = waiting

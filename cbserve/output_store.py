@@ -1,6 +1,6 @@
 """Outputs waiting for their consumers: each output is taken exactly once, either as "the
 next output of any request" or as "the next output of this request", from threads or from
-asyncio tasks."""
+asyncio tasks; or handed to a callback registered for its request on an asyncio loop."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from cbserve.outputs import GenerationOutput
+
+RECHECK_S = 0.5  # how often a waiting get() asks again whether an output may still come
 
 
 class OutputStore:
@@ -21,6 +24,7 @@ class OutputStore:
         self._num_stored = 0
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._discarded: set[str] = set()
+        self._handlers: dict[str, tuple[Callable[[GenerationOutput], None], asyncio.AbstractEventLoop]] = {}
 
     def put(self, output: GenerationOutput) -> None:
         rid = output.request_id
@@ -28,6 +32,9 @@ class OutputStore:
             if rid in self._discarded:
                 if output.is_finished():
                     self._discarded.discard(rid)
+                return
+            if rid in self._handlers:
+                self._hand_over_locked(output)
                 return
             self._seq += 1
             self._by_request.setdefault(rid, deque()).append((self._seq, output))
@@ -39,6 +46,29 @@ class OutputStore:
                     loop.call_soon_threadsafe(event.set)
                 except RuntimeError:  # that event loop is closed: nobody waits there any more
                     pass
+
+    def register_handler(self, request_id: str, callback: Callable[[GenerationOutput], None],
+                         loop: asyncio.AbstractEventLoop) -> None:
+        """Hand every output of `request_id` to `callback`, called on `loop`, instead of storing it
+        (those already stored first, in order); the handler goes once the final output went."""
+        with self._cond:
+            self._handlers[request_id] = (callback, loop)
+            while request_id in self._handlers and (output := self._pop_locked(request_id)) is not None:
+                self._hand_over_locked(output)
+
+    def _hand_over_locked(self, output: GenerationOutput) -> None:
+        callback, loop = self._handlers[output.request_id]
+        if output.is_finished():
+            del self._handlers[output.request_id]
+        try:
+            loop.call_soon_threadsafe(callback, output)
+        except RuntimeError:  # that event loop is closed: nobody listens there any more
+            pass
+
+    def wake(self) -> None:
+        """Wake every waiting `get`, to check again whether an output may still come."""
+        with self._cond:
+            self._cond.notify_all()
 
     def has_output(self, request_id: str | None = None) -> bool:
         with self._cond:
@@ -67,17 +97,24 @@ class OutputStore:
         live = {seq for queue in self._by_request.values() for seq, _ in queue}
         self._order = deque(entry for entry in self._order if entry[0] in live)
 
-    def get(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """The next output (of `request_id` when given); None after `timeout` seconds."""
+    def get(self, request_id: str | None = None, timeout: float | None = None,
+            hopeless: Callable[[], bool] | None = None) -> GenerationOutput | None:
+        """The next output (of `request_id` when given); None after `timeout` seconds, or as soon as
+        nothing is stored and `hopeless()` says nothing more will come (checked on every `wake()`
+        and at least every `RECHECK_S`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 output = self._pop_locked(request_id)
                 if output is not None:
                     return output
+                if hopeless is not None and hopeless():
+                    return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
+                if hopeless is not None:
+                    remaining = RECHECK_S if remaining is None else min(remaining, RECHECK_S)
                 self._cond.wait(remaining)
 
     async def get_async(self, request_id: str, timeout: float | None = None) -> GenerationOutput | None:

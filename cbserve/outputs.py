@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(str, enum.Enum):
@@ -17,6 +20,19 @@ class RequestStatus(str, enum.Enum):
     @property
     def is_final(self) -> bool:
         return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+    def __eq__(self, other: object) -> bool:
+        # transformers' RequestStatus (an IntEnum) names the same states: code written for its
+        # engine compares against it (`out.status == RequestStatus.FINISHED`).
+        if isinstance(other, enum.Enum) and not isinstance(other, RequestStatus):
+            return type(other).__name__ == "RequestStatus" and other.name == self.name
+        return str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
 
 
 class FinishReason(str, enum.Enum):
@@ -47,6 +63,7 @@ class GenerationOutput:
     _tokens: list[int] = field(default_factory=list, repr=False)
     _logprobs: list[float] | None = field(default=None, repr=False)
     _length: int = 0
+    _timestamps: list[float] | None = field(default=None, repr=False)
 
     @property
     def generated_tokens(self) -> list[int]:
@@ -55,6 +72,12 @@ class GenerationOutput:
     @property
     def logprobs(self) -> list[float] | None:
         return None if self._logprobs is None else self._logprobs[: self._length]
+
+    @property
+    def timestamps(self) -> list[float] | None:
+        """With `record_timestamps=True`: when each generated token reached the host (`time.time()`,
+        the clock of `created_time`); None otherwise."""
+        return None if self._timestamps is None else self._timestamps[: self._length]
 
     @property
     def new_logprobs(self) -> list[float] | None:
@@ -75,3 +98,34 @@ class GenerationOutput:
             f"finish_reason={self.finish_reason and self.finish_reason.value!r}, "
             f"generated_tokens={self.generated_tokens!r}, error={self.error!r})"
         )
+
+
+class TokenClock:
+    """Per-token timestamps of the requests that asked for them (`record_timestamps`): whoever
+    steps the engine ticks it with the requests each step updated."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[float]] = {}
+
+    def track(self, request_id: str) -> None:
+        self._times[request_id] = []
+
+    def tick(self, requests: Iterable[Any]) -> None:
+        """`requests` got tokens just now (objects with `request_id` and `generated`)."""
+        if not self._times:
+            return
+        now = time.time()
+        for request in requests:
+            times = self._times.get(request.request_id)
+            if times is not None and len(times) < len(request.generated):
+                finished = request.finished_time  # set inside the step, just before `now`
+                stamp = now if finished is None else min(now, finished)
+                times.extend([stamp] * (len(request.generated) - len(times)))
+
+    def stamp(self, output: GenerationOutput) -> GenerationOutput:
+        """Give `output` its request's timestamps (read lazily up to its length, like its tokens)."""
+        times = self._times.pop(output.request_id, None) if output.is_finished() else self._times.get(
+            output.request_id)
+        if times is not None:
+            output._timestamps = times
+        return output

@@ -65,3 +65,63 @@ def test_cuda_only_features_fail_without_cuda(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field}=True needs a CUDA device"):
         ContinuousBatchingConfig(**{field: True})
     assert getattr(ContinuousBatchingConfig(**{field: False}), field) is False
+
+
+def test_compile_configs_accept_transformers_compile_config_objects() -> None:
+    from transformers import CompileConfig
+
+    cfg = ContinuousBatchingConfig(varlen_compile_config=CompileConfig(dynamic=True, mode="default"),
+                                   decode_compile_config={"dynamic": False})
+    assert cfg.varlen_compile_config == {"fullgraph": False, "dynamic": True, "backend": "inductor",
+                                         "mode": "default", "options": None}
+    assert cfg.decode_compile_config == {"dynamic": False}
+    with pytest.raises(ValueError, match="varlen_compile_config"):
+        ContinuousBatchingConfig(varlen_compile_config=3)
+
+
+def test_transformers_config_is_read_field_by_field() -> None:
+    from transformers.generation import ContinuousBatchingConfig as TransformersConfig
+
+    from cbserve.config import resolve
+
+    cfg = resolve(TransformersConfig(page_size=32, max_memory_percent=0.5, scheduler_type="prefill_first",
+                                     return_logprobs=True, max_queue_size=7, drop_unsupported_processors=False))
+    assert isinstance(cfg, ContinuousBatchingConfig)
+    assert (cfg.page_size, cfg.max_memory_percent, cfg.scheduler, cfg.return_logprobs, cfg.max_queue_size) == (
+        32, 0.5, "prefill_first", True, 7)
+    assert resolve(TransformersConfig()) == ContinuousBatchingConfig()
+    with pytest.raises(ValueError, match="page_size"):
+        resolve(TransformersConfig(page_size=2))  # validated here, naming the field
+    assert resolve({"page_size": 64}).page_size == 64
+    with pytest.raises(TypeError, match="continuous_batching_config"):
+        resolve("big")
+
+
+def test_a_config_nested_in_the_generation_config_is_honoured(caplog: pytest.LogCaptureFixture) -> None:
+    import warnings
+
+    from transformers import GenerationConfig
+
+    from cbserve.config import resolve
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers deprecates the nesting
+        gc = GenerationConfig(continuous_batching_config=ContinuousBatchingConfig(page_size=48))
+    assert resolve(None, gc).page_size == 48
+    assert "deprecated" in caplog.text
+    assert resolve(ContinuousBatchingConfig(page_size=16), gc).page_size == 16  # the explicit one wins
+    assert resolve(None, GenerationConfig()) == ContinuousBatchingConfig()
+
+
+def test_auto_max_batch_tokens_is_capped_by_memory_and_never_below_256(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbserve.workers import sizing
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda device: 64 << 30)
+    assert sizing.auto_max_batch_tokens(ContinuousBatchingConfig(), cpu) == 2048  # the CPU default
+    # 1 GiB at the CPU's 20% share: half of it holds 1638 tokens of batch buffers.
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda device: 1 << 30)
+    assert sizing.auto_max_batch_tokens(ContinuousBatchingConfig(), cpu) == 1638
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda device: 8 << 20)
+    assert sizing.auto_max_batch_tokens(ContinuousBatchingConfig(), cpu) == 256
+    assert sizing.auto_max_batch_tokens(ContinuousBatchingConfig(max_memory_percent=1.0), cpu) == 256

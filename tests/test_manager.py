@@ -194,16 +194,40 @@ def test_start_stop_restart_destroy(make_manager: MakeManager, caplog: pytest.Lo
     manager.destroy()  # a second destroy is a no-op
 
 
-def test_destroy_while_running_fails_live_requests(make_manager: MakeManager) -> None:
+def test_destroy_while_running_finishes_live_requests_first(make_manager: MakeManager) -> None:
+    """transformers' destroy(): a running manager is stopped gracefully first, so what is queued
+    and running finishes; then the cache is freed for good."""
+    manager = make_manager(max_requests_per_batch=1, num_blocks=200)
+    prompts = random_prompts([8, 9])
+    running = manager.add_request(prompts[0], max_new_tokens=40, streaming=True)
+    get(manager, running)  # it has started
+    queued = manager.add_request(prompts[1], max_new_tokens=40)
+    manager.destroy()
+    assert not manager.is_running()
+    for rid, prompt in ((running, prompts[0]), (queued, prompts[1])):
+        out = get_final(manager, rid)
+        assert out.status == RequestStatus.FINISHED and out.generated_tokens == ref_tokens(prompt, 40)
+    assert manager.engine.block_manager.num_free == manager.engine.block_manager.num_blocks
+    assert manager.engine.cache.k == [] and engine_model().config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("how", ["destroy(timeout)", "stop(timeout) then destroy()"])
+def test_destroy_hard_stops_what_outlives_its_grace_period(make_manager: MakeManager, how: str) -> None:
     manager = make_manager(max_requests_per_batch=1, num_blocks=200)
     running = manager.add_request(random_prompts([8])[0], max_new_tokens=900, streaming=True)
     get(manager, running)  # it has started
     queued = manager.add_request(random_prompts([9])[0], max_new_tokens=900)
-    manager.destroy()
+    if how == "destroy(timeout)":
+        manager.destroy(timeout=0.05)
+    else:
+        manager.stop(timeout=0.05)  # the grace period a server gives before it goes
+        assert manager.is_running()
+        manager.destroy()  # does not wait for 1800 more tokens
     assert not manager.is_running()
     for rid in (running, queued):
         out = get_final(manager, rid)
         assert out.status == RequestStatus.FAILED and isinstance(out.exception, RuntimeError)
+        assert len(out.generated_tokens) < 900
     assert manager.engine.block_manager.num_free == manager.engine.block_manager.num_blocks
 
 

@@ -69,8 +69,7 @@ class CompiledForward:
             path: [torch.compile(fwd, **kwargs) for fwd in self._eager] if kwargs is not None else None
             for path, kwargs in self.configs.items()
         }
-        for layer, eager, index in zip(self.layers, self._eager, range(len(self.layers))):
-            layer.forward = self._dispatcher(eager, index)
+        self.install()
         for path, kwargs in self.configs.items():
             if kwargs is not None:
                 logger.info("compiling the %s path's decoder layers with %s", path, kwargs)
@@ -78,9 +77,16 @@ class CompiledForward:
     def _dispatcher(self, eager, index: int):
         def forward(*args, **kwargs):
             compiled = self._compiled[self.path]
-            return (compiled[index] if compiled is not None else eager)(*args, **kwargs)
+            if compiled is None or kwargs.get("cb_meta") is None:  # a plain forward of the model's owner
+                return eager(*args, **kwargs)
+            return compiled[index](*args, **kwargs)
 
         return forward
+
+    def install(self) -> None:
+        """Route the layers' forward through the compiled paths (undone by `restore`)."""
+        for layer, eager, index in zip(self.layers, self._eager, range(len(self.layers))):
+            layer.forward = self._dispatcher(eager, index)
 
     def restore(self) -> None:
         """Give the layers back their eager forward."""

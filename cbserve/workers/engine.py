@@ -15,13 +15,13 @@ import torch
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.kernels import backends, packed_linear, paged_attention
+from cbserve.kernels import backends, packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import Scheduler
-from cbserve.workers import compilation, validation
+from cbserve.workers import compilation, model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import build_step_graphs
@@ -83,7 +83,9 @@ class EngineCore:
         self.max_batch_tokens, self.release_window = sizes.max_batch_tokens, sizes.release_window
         self._build_memory(sizes)
         self._build_runner(sizes)
+        self._pack_weights = pack_weights
         self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
+        self.holds_model = True  # its attention, linears and compiled layers are the engine's (take_model)
         self.parallel = parallel
         if parallel is not None:
             self.runner = parallel.wrap_runner(self.runner)
@@ -121,9 +123,7 @@ class EngineCore:
         cfg, model = self.config, self.model
         self.attention_backend = backends.select(cfg.attention_backend, self.device, cfg.page_size,
                                                  cfg.auto_switch_to_flash)
-        paged_attention.register()
-        self._previous_attn = model.config._attn_implementation
-        model.set_attn_implementation(paged_attention.ATTENTION_NAME)
+        self._previous_attn = model_sharing.take_attention(model)
         forward = CompiledForward(
             model,
             compilation.resolve(cfg.default_compile_level, cfg.varlen_compile_config),
@@ -143,11 +143,27 @@ class EngineCore:
     def release_model(self, result: Any = None) -> None:
         """Give the model back its own attention implementation, linear layers and eager layers;
         under tensor parallelism, shut the other ranks down (sending them `result`)."""
-        packed_linear.unpack_linears(self.packed_linears)
-        self.runner.forward.restore()
-        self.model.set_attn_implementation(self._previous_attn)
+        self.give_back_model()
         if self.parallel is not None:
             self.parallel.close(result)
+
+    def give_back_model(self) -> None:
+        """The model's own attention implementation, linear layers and eager layers, back (a stopped
+        or paused manager); `take_model` takes them again, packing the weights afresh."""
+        if not self.holds_model:
+            return
+        packed_linear.unpack_linears(self.packed_linears)
+        self.runner.forward.restore()
+        model_sharing.give_back_attention(self.model)
+        self.holds_model = False
+
+    def take_model(self) -> None:
+        if self.holds_model:
+            return
+        model_sharing.take_attention(self.model)
+        self.runner.forward.install()
+        self.packed_linears = packed_linear.pack_linears(self.model) if self._pack_weights else []
+        self.holds_model = True
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -266,7 +282,8 @@ class EngineCore:
         t1 = time.perf_counter()
         kwargs, sampled = self.runner.prepare(batch, in_flight)
         t2 = time.perf_counter()
-        logits = self.runner.run(kwargs)
+        with model_sharing.engine_forward():  # the mask function builds no mask in this thread
+            logits = self.runner.run(kwargs)
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
         if launch_async:

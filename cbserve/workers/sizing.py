@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 # Share of free memory the KV cache takes by default: host memory on a CPU is shared with
 # everything else on the machine, so it gets a smaller default than an accelerator's.
 DEFAULT_MEMORY_PERCENT = {"cuda": 0.9, "cpu": 0.2}
+# What one query token of a forward pass may take beside the KV cache (hidden states, projections,
+# attention inputs), for sizing: the batch's buffers come out of the memory budget first.
+BATCH_TOKEN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class EngineSizes:
 
 def engine_sizes(config: ContinuousBatchingConfig, shape: ModelShape, device: torch.device, dtype: torch.dtype,
                  workload: Workload) -> EngineSizes:
-    max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(device.type, 8192)
+    max_batch_tokens = config.max_batch_tokens or auto_max_batch_tokens(config, device)
     num_blocks = config.num_blocks or auto_num_blocks(config, shape, device, dtype, max_batch_tokens, workload)
     max_requests = config.max_requests_per_batch or workload.num_requests or DEFAULT_MAX_REQUESTS
     windows = shape.sliding_windows
@@ -63,6 +66,19 @@ def engine_sizes(config: ContinuousBatchingConfig, shape: ModelShape, device: to
     )
 
 
+def auto_max_batch_tokens(config: ContinuousBatchingConfig, device: torch.device) -> int:
+    """The default token budget of a step, as transformers sizes it: the device's default, lowered
+    so that the batch's buffers take at most half the memory budget (the rest is KV pages), and
+    never below 256."""
+    default = DEFAULT_MAX_BATCH_TOKENS.get(device.type, 8192)
+    share = config.max_memory_percent or DEFAULT_MEMORY_PERCENT.get(device.type, 0.9)
+    cap = int(available_memory_bytes(device) * share / 2 // BATCH_TOKEN_BYTES)
+    if cap < default:
+        logger.info("max_batch_tokens lowered from %d to %d to leave memory for the KV cache", default,
+                    max(cap, MIN_AUTO_BATCH_TOKENS))
+    return max(MIN_AUTO_BATCH_TOKENS, min(default, cap))
+
+
 def auto_num_blocks(config: ContinuousBatchingConfig, shape: ModelShape, device: torch.device, dtype: torch.dtype,
                     max_batch_tokens: int, workload: Workload) -> int:
     """Pages for the memory budget, no more than the workload can use."""
@@ -70,7 +86,7 @@ def auto_num_blocks(config: ContinuousBatchingConfig, shape: ModelShape, device:
                                              shape.head_dim, dtype)
     share = config.max_memory_percent or DEFAULT_MEMORY_PERCENT.get(device.type, 0.9)
     # The batch's input buffers (hidden states, float32 logits) come out of the budget first.
-    buffers = max_batch_tokens * 64 * 1024 + (workload.num_requests or 256) * shape.vocab_size * 4
+    buffers = max_batch_tokens * BATCH_TOKEN_BYTES + (workload.num_requests or 256) * shape.vocab_size * 4
     budget = max(available_memory_bytes(device) * share - buffers, per_block)
     blocks = int(budget // per_block)
     if blocks * config.page_size < MIN_AUTO_BATCH_TOKENS:
