@@ -37,6 +37,7 @@ class RequestStatus(str, enum.Enum):
 
 class FinishReason(str, enum.Enum):
     EOS = "eos"
+    STOP = "stop"  # one of the request's stop_token_ids
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -62,8 +63,13 @@ class GenerationOutput:
     finished_time: float | None = None
     _tokens: list[int] = field(default_factory=list, repr=False)
     _logprobs: list[float] | None = field(default=None, repr=False)
+    _top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
     _length: int = 0
     _timestamps: list[float] | None = field(default=None, repr=False)
+    # With `prompt_logprobs`: each prompt token's log-probability (None for the first) and the
+    # most likely (token, logprob) pairs at each prompt position.
+    prompt_logprobs: list[float | None] | None = field(default=None, repr=False)
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
 
     @property
     def generated_tokens(self) -> list[int]:
@@ -72,6 +78,11 @@ class GenerationOutput:
     @property
     def logprobs(self) -> list[float] | None:
         return None if self._logprobs is None else self._logprobs[: self._length]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        """With `top_logprobs=k`: the k most likely (token, logprob) pairs at each generated token."""
+        return None if self._top_logprobs is None else self._top_logprobs[: self._length]
 
     @property
     def timestamps(self) -> list[float] | None:

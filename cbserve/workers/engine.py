@@ -7,6 +7,7 @@ it through `workers/factory.py`. Under tensor parallelism it is given a `TensorP
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,12 +26,14 @@ from cbserve.workers import compilation, model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import build_step_graphs
+from cbserve.workers.generation_config import sampling_params as generation_config_sampling
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.kv.host_pool import HostKVPool
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.parallel.groups import TensorParallelError
-from cbserve.workers.sampler import Sampler
+from cbserve.workers.sampler import Sampler, prompt_logprobs
+from cbserve.workers.structured import Grammar
 from cbserve.workers.sizing import Workload, engine_sizes, host_pool_size
 
 if TYPE_CHECKING:
@@ -74,6 +77,7 @@ class EngineCore:
         self.model = model
         self.config = cfg = config or ContinuousBatchingConfig()
         self.generation_config = generation_config or model.generation_config
+        self._default_sampling = generation_config_sampling(self.generation_config)  # may refuse a field
         self.shape = ModelShape.from_model(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -91,7 +95,7 @@ class EngineCore:
             self.runner = parallel.wrap_runner(self.runner)
             parallel.start(self.cache)
         self._in_flight: InFlightStep | None = None
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(self.shape.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         # Seconds spent in each phase of step(), summed: host overhead vs model time.
@@ -179,9 +183,11 @@ class EngineCore:
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
         sampling: SamplingParams | None = None,
+        grammar: Grammar | None = None,
     ) -> Request:
         """Validate a request at the boundary (`workers/validation.py`); every error names the
-        argument and its range. `sampling`: already validated (`validation.sampling`)."""
+        argument and its range. `sampling`: already validated (`validation.sampling`); `grammar`: compiled
+        for this model (`StructuredOutputs.compile`)."""
         if self.parallel is not None:
             self.parallel.check_health()  # refused at the boundary: the group is gone
         validation.request_id(request_id, self.requests)
@@ -192,25 +198,22 @@ class EngineCore:
         validation.max_new_tokens(max_new_tokens)
         validation.eos_token_id(eos_token_id)
         validation.fits(len(prompt), max_new_tokens, self.shape.max_context, self.capacity_tokens)
+        sampling = sampling or self._default_sampling
+        if gc.min_length and gc.min_length - len(prompt) > sampling.min_new_tokens:  # min_length counts the prompt
+            sampling = dataclasses.replace(sampling, min_new_tokens=gc.min_length - len(prompt))
         return Request(
             request_id=request_id,
             prompt_ids=prompt,
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id),
-            sampling=sampling or self.default_sampling(),
+            sampling=sampling,
             streaming=streaming,
             return_logprobs=self.config.return_logprobs,
+            grammar=grammar,
         )
 
     def default_sampling(self) -> SamplingParams:
-        gc = self.generation_config
-        return SamplingParams(
-            do_sample=bool(gc.do_sample),
-            temperature=gc.temperature if gc.temperature is not None else 1.0,
-            top_k=gc.top_k or 0,
-            top_p=gc.top_p if gc.top_p is not None else 1.0,
-            seed=None,
-        )
+        return self._default_sampling
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -270,7 +273,8 @@ class EngineCore:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
             return updated
         in_flight, self._in_flight = self._in_flight, None
-        launch_async = self.async_batching and all(s.request.sampling.greedy for s in batch if s.sample)
+        launch_async = (self.async_batching and all(s.request.plain_greedy for s in batch if s.sample)
+                        and not any(s.request.wants_prompt_logprobs for s in batch))
         updated: list[Request] = []
         if in_flight is not None and not launch_async:
             # Synchronous: earlier tokens first (rows of requests that just stopped are dropped).
@@ -289,8 +293,10 @@ class EngineCore:
         if launch_async:
             updated = self._launch(logits, requests, batch, in_flight)
         else:
+            if self.runner.prompt_chunks:  # their rows follow the sampled ones
+                prompt_logprobs(logits[len(requests):], self.runner.prompt_chunks)
             self._advance(batch)
-            updated += self._sample(logits, requests)
+            updated += self._sample(logits[: len(requests)], requests)
         self.timings["schedule"] += t1 - t0
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
@@ -310,9 +316,8 @@ class EngineCore:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Request]:
         if not requests:
             return []
-        tokens, logprobs = self.sampler(logits, [r.sampling for r in requests], [r.request_id for r in requests],
-                                        self.config.return_logprobs)
-        return self._append(requests, tokens, logprobs)
+        result = self.sampler(logits, requests, self.config.return_logprobs)
+        return self._append(requests, result.tokens, result.logprobs, result.top_logprobs)
 
     def _is_live(self, request: Request) -> bool:
         return self.requests.get(request.request_id) is request
@@ -346,9 +351,12 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         return self._finish(in_flight)
 
-    def _append(self, requests: list[Request], tokens: list[int], logprobs: list[float] | None) -> list[Request]:
+    def _append(self, requests: list[Request], tokens: list[int], logprobs: list[float] | None,
+                tops: list[list[tuple[int, float]]] | None = None) -> list[Request]:
         for i, request in enumerate(requests):
-            request.append_token(tokens[i], logprobs[i] if logprobs is not None else None)
+            request.append_token(tokens[i], logprobs[i] if logprobs is not None else None,
+                                 tops[i] if tops is not None else None)
+            self.sampler.observe(request, tokens[i])
             self.generated_tokens += 1
             reason = request.stop_reason()
             if reason is not None:
