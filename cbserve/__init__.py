@@ -13,6 +13,7 @@ from cbserve.manager import ContinuousBatchingManager
 from cbserve.models import load_model
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 from cbserve.workers.parallel.launch import serve_tensor_parallel_rank
+from cbserve.workers.structured import StructuredOutputs
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RequestStatus",
+    "StructuredOutputs",
     "attach",
     "continuous_batching",
     "destroy_cached_continuous_batching_manager",

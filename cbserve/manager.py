@@ -278,7 +278,9 @@ class ContinuousBatchingManager:
         when not given). Bad input raises ValueError (`InvalidRequestError`) here and queues
         nothing; a full queue (`max_queue_size`) raises `QueueFullError`; a stopped or destroyed
         manager raises RuntimeError. `logit_processor_kwargs`: per-request sampling (temperature,
-        top_k, top_p, seed, ...), with `per_request_processors=True`."""
+        top_k, top_p, seed, penalties, logit_bias, min_tokens, top_logprobs, prompt_logprobs, ...:
+        `validation.OPTIONS`), with `per_request_processors=True`; `grammar=` a constraint compiled
+        by `cbserve.StructuredOutputs`."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -300,6 +302,7 @@ class ContinuousBatchingManager:
                 logger.warning("add_request refused%s: the manager is %s", f" ({', '.join(given)})" if given else "",
                                "destroyed" if self._destroyed else "stopped")
                 raise RuntimeError("the manager is stopped: call start() before adding requests")
+            grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             sampling = self._sampling(sampling_args)
             self._check_queue_room(len(prompts))
             requests: list[Request] = []
@@ -311,7 +314,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar,
                 ))
                 new_ids.add(request_id)
             # All valid: queue them, prompts sharing prefixes next to each other.

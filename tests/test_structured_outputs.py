@@ -110,3 +110,15 @@ def test_a_bad_constraint_is_refused_naming_its_field(kind: str, spec) -> None:
     with pytest.raises(InvalidRequestError) as err:
         structured.compile(kind, spec)
     assert err.value.field == "response_format"
+
+
+def test_through_the_manager() -> None:
+    model = random_model()
+    structured = StructuredOutputs(tokenizer(), model.config.vocab_size, [tokenizer().eos_token_id])
+    gc = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=tokenizer().eos_token_id)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64)
+    with cbserve.continuous_batching(model, gc, cfg) as manager:
+        rid = manager.add_request(random_prompts([9], vocab=len(tokenizer()))[0],
+                                  grammar=structured.compile("choice", ["left", "right"]))
+        out = manager.get_result(rid, timeout=60)
+    assert tokenizer().decode(out.generated_tokens, skip_special_tokens=True) in ("left", "right")
