@@ -1,22 +1,44 @@
-"""The ranks > 0 of a tensor-parallel engine: the loop each one runs. Take rank 0's step plan,
-run this shard's forward pass (whose all-reduces meet rank 0's), until rank 0 shuts down.
+"""The ranks > 0 of a tensor-parallel engine: the loop each one runs. Take rank 0's step
+(`step_codec`: one int64 tensor), run the KV transfers it carries on this rank's shard of the
+pages, then this shard's forward pass (whose all-reduces meet rank 0's), until rank 0 shuts down.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cbserve.kernels import paged_attention
+from cbserve.kernels.backends import KernelBackend
 from cbserve.workers.kv.cache import PagedKVCache
+from cbserve.workers.kv.host_pool import HostKVPool
 from cbserve.workers.model_shape import ModelShape
-from cbserve.workers.parallel.groups import TensorParallelError, TPGroups, unpack
+from cbserve.workers.parallel import step_codec
+from cbserve.workers.parallel.groups import TensorParallelError, TPGroups
 from cbserve.workers.parallel.sharding import install_all_reduce, vocab_parallel_head
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Memory:
+    """What rank 0's setup message gives this rank: its pages, its host pool, rank 0's kernels."""
+
+    cache: PagedKVCache
+    host_pool: HostKVPool | None
+    kernels: KernelBackend | None
+
+
+def _setup(payload: dict, shape: ModelShape, dtype: torch.dtype, device: torch.device, rank: int) -> _Memory:
+    cache = PagedKVCache(shape.num_layers, payload["num_blocks"], payload["page_size"], shape.num_kv_heads,
+                         shape.head_dim, dtype, device)
+    pool = HostKVPool(cache, payload["host_blocks"]) if payload["host_blocks"] else None
+    logger.info("rank %d: KV cache of %.1f MiB, host pool of %d pages", rank, cache.nbytes / 2**20,
+                payload["host_blocks"])
+    return _Memory(cache, pool, payload["kernels"])
 
 
 def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
@@ -31,25 +53,26 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
     forward = shard if whole else shard.get_decoder()
     shape = ModelShape.from_model(shard)
     dtype = next(shard.parameters()).dtype
-    cache: PagedKVCache | None = None
+    memory: _Memory | None = None
     while True:
         message = groups.recv()
         if message.kind == "step":
-            plan = unpack(message.payload, device)
-            plan["cb_meta"] = dataclasses.replace(plan["cb_meta"], k_caches=cache.k, v_caches=cache.v)
+            cache = memory.cache
+            kwargs, transfers = step_codec.decode(message.payload, device, cache.k, cache.v, cache.page_size,
+                                                  memory.kernels)
             if not whole:
-                plan.pop("logits_to_keep")
+                kwargs.pop("logits_to_keep")
             try:
+                if transfers:  # before the forward pass may write the pages they read
+                    memory.host_pool.execute(transfers)
                 with torch.inference_mode():
-                    forward(**plan)
+                    forward(**kwargs)
             except TensorParallelError:
                 raise
             except Exception as error:
                 raise groups.fail("running its forward pass", error) from error
         elif message.kind == "setup":
-            cache = PagedKVCache(shape.num_layers, message.payload["num_blocks"], message.payload["page_size"],
-                                 shape.num_kv_heads, shape.head_dim, dtype, device)
-            logger.info("rank %d: KV cache of %.1f MiB", groups.rank, cache.nbytes / 2**20)
+            memory = _setup(message.payload, shape, dtype, device, groups.rank)
         elif message.kind == "shutdown":
             return message.payload
         else:  # ping: nothing is in flight on this rank between steps

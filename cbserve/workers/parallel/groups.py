@@ -2,7 +2,11 @@
 
 - `data`: the all-reduces inside the forward pass (NCCL on GPUs, gloo on CPUs).
 - `control`: a CPU (gloo) group on which rank 0 broadcasts every message to the other ranks:
-  each step's plan, heartbeats while idle, shutdown.
+  each step, heartbeats while idle, setup and shutdown. Every message is one broadcast of a
+  fixed-size int64 tensor (`CAPACITY` slots) whose header states its kind, its length and its
+  sequence number; a step's integer inputs fill the rest (`step_codec.py`), a longer step sends
+  its remainder in a second broadcast, and only setup and shutdown follow with a pickled object.
+  Nothing is pickled per step, and no accelerator tensor is copied back to the host.
 - `health`: a CPU group used only after a failure, for a monitored barrier that names the ranks
   that did not answer (its connections are untouched by the failed collective).
 
@@ -12,7 +16,6 @@ peer makes the others raise `TensorParallelError` within that time instead of wa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -33,6 +36,13 @@ HEALTH_BARRIER_S = 2.0
 STARTUP_TIMEOUT_S = 600.0
 NO_TIMEOUT_S = 1800.0  # cpu_group_timeout=None: torch's own default for gloo
 
+# The control channel's messages: int64 tensors of CAPACITY slots, HEADER of them a header.
+CAPACITY = 8192  # 64 KiB: a decode step of hundreds of requests; longer steps take two broadcasts
+HEADER = 16
+KIND, LENGTH, SEQUENCE = 0, 1, 2  # header slots of the channel; the rest belong to the message
+PICKLED = HEADER - 1  # slot saying a pickled object follows (kinds other than "step")
+KINDS = ("ping", "step", "setup", "shutdown")
+
 
 def data_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
@@ -44,42 +54,9 @@ class TensorParallelError(RuntimeError):
 
 @dataclass
 class Message:
-    kind: str  # "setup" | "step" | "ping" | "shutdown"
+    kind: str  # "ping" | "step" | "setup" | "shutdown"
+    # A step: its int64 tensor (`step_codec`); other kinds: any picklable object, or None.
     payload: Any = None
-
-
-@dataclass
-class OnDevice:
-    """A tensor that lived on the accelerator on rank 0: each rank puts it on its own device."""
-
-    tensor: torch.Tensor
-
-
-def pack(obj: Any) -> Any:
-    """A picklable copy of a step plan: tensors on CPU, accelerator ones marked `OnDevice`."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "cpu" else OnDevice(obj.cpu())
-    if isinstance(obj, dict):
-        return {k: pack(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(pack(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: pack(getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def unpack(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, OnDevice):
-        return obj.tensor.to(device)
-    if isinstance(obj, dict):
-        return {k: unpack(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(unpack(v, device) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: unpack(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
 
 
 class TPGroups:
@@ -94,6 +71,14 @@ class TPGroups:
         self.health = dist.new_group(backend="gloo", timeout=td)
         # Rank 0 sends from the engine's loop thread and from the heartbeat thread.
         self._send_lock = threading.Lock()
+        # Rank 0's message buffers, in turn: a step's broadcast completes while rank 0 runs its own
+        # forward pass (the first all-reduce waits for the other ranks anyway); before a buffer is
+        # filled again, the broadcast that read it two messages ago is waited for.
+        self._out = [torch.zeros(CAPACITY, dtype=torch.int64) for _ in range(2)]
+        self._sent: list[tuple[Any, str] | None] = [None, None]
+        self._turn = 0
+        self._in = torch.zeros(CAPACITY, dtype=torch.int64)  # the others'
+        self.sequence = 0  # of the last message sent or received
         self.last_send = time.monotonic()
         self.failed: TensorParallelError | None = None
         # Rank 0 launching the ranks itself can say what became of their processes.
@@ -102,23 +87,80 @@ class TPGroups:
     # -- the control channel -----------------------------------------------------------------
 
     def send(self, message: Message) -> None:
-        """Rank 0: broadcast one message to every rank."""
+        """Rank 0: broadcast one message to every rank (returns before it has left, see `_out`)."""
         with self._send_lock:
             if self.failed is not None:
                 raise self.failed
-            try:
-                dist.broadcast_object_list([message], src=0, group=self.control)
-            except Exception as error:
-                raise self.fail(f"sending {message.kind!r} to the other ranks", error) from error
+            self.sequence += 1
+            doing = f"sending {message.kind} message {self.sequence} to the other ranks"
+            if message.kind == "step":
+                flat, pickled = message.payload, False
+            else:
+                flat, pickled = torch.zeros(HEADER, dtype=torch.int64), message.payload is not None
+                flat[PICKLED] = int(pickled)
+            flat[KIND], flat[LENGTH], flat[SEQUENCE] = KINDS.index(message.kind), flat.numel(), self.sequence
+            head = min(flat.numel(), CAPACITY)
+            turn, self._turn = self._turn, self._turn ^ 1
+            self._wait_sent(turn)  # the broadcast that last read this buffer is done
+            self._out[turn][:head] = flat[:head]
+            self._sent[turn] = (self._broadcast(self._out[turn], doing, async_op=True), doing)
+            if flat.numel() > CAPACITY or pickled:  # rare: setup, shutdown, very long steps
+                self._wait_sent(turn)
+                if flat.numel() > CAPACITY:
+                    self._broadcast(flat[CAPACITY:], doing + " (its remainder)")
+                if pickled:
+                    self._broadcast_object(message.payload, doing + " (its payload)")
             self.last_send = time.monotonic()
 
+    def _wait_sent(self, turn: int) -> None:
+        """Wait (bounded by the timeout) until buffer `turn`'s broadcast has left rank 0."""
+        sent, self._sent[turn] = self._sent[turn], None
+        if sent is not None:
+            work, doing = sent
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except Exception as error:
+                raise self.fail(doing, error) from error
+
+    def flush(self) -> None:
+        """Rank 0: wait until every message sent has left (before tearing the groups down)."""
+        with self._send_lock:
+            for turn in (0, 1):
+                self._wait_sent(turn)
+
     def recv(self) -> Message:
-        """Ranks > 0: the next message from rank 0."""
-        box: list[Any] = [None]
+        """Ranks > 0: the next message from rank 0. A step's payload is a view of a buffer the
+        next call reuses."""
+        expected = self.sequence + 1
+        doing = f"waiting for rank 0's message {expected}"
+        self._broadcast(self._in, doing)
+        kind, length, sequence = self._in[:3].tolist()
+        if sequence != expected or not 0 <= kind < len(KINDS):
+            raise self.fail(doing, RuntimeError(f"got message {sequence} of kind {kind}: the ranks are out of step"))
+        self.sequence = sequence
+        flat = self._in[:length]
+        if length > CAPACITY:
+            flat = torch.cat([self._in, torch.empty(length - CAPACITY, dtype=torch.int64)])
+            self._broadcast(flat[CAPACITY:], f"receiving the remainder of rank 0's message {sequence}")
+        if KINDS[kind] == "step":
+            return Message("step", flat)
+        payload = None
+        if flat[PICKLED]:
+            payload = self._broadcast_object(None, f"receiving the payload of rank 0's message {sequence}")
+        return Message(KINDS[kind], payload)
+
+    def _broadcast(self, tensor: torch.Tensor, doing: str, async_op: bool = False) -> Any:
+        try:
+            return dist.broadcast(tensor, src=0, group=self.control, async_op=async_op)
+        except Exception as error:
+            raise self.fail(doing, error) from error
+
+    def _broadcast_object(self, obj: Any, doing: str) -> Any:
+        box = [obj]
         try:
             dist.broadcast_object_list(box, src=0, group=self.control)
         except Exception as error:
-            raise self.fail("waiting for rank 0's next message", error) from error
+            raise self.fail(doing, error) from error
         return box[0]
 
     # -- failures ----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ learn of submissions and cancellations through the step plans they change. Contr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -24,15 +23,17 @@ import torch
 import torch.distributed as dist
 
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.scheduler.host_pages import KVTransfer
 from cbserve.workers.kv.cache import PagedKVCache
+from cbserve.workers.kv.host_pool import HostKVPool
 from cbserve.workers.model_runner import ModelRunner
+from cbserve.workers.parallel import step_codec
 from cbserve.workers.parallel.groups import (
     Message,
     TensorParallelError,
     TPGroups,
     data_backend,
     destroy,
-    pack,
 )
 from cbserve.workers.parallel.launch import LocalRanks, group_timeout, join_launched_group, resolve_launcher
 from cbserve.workers.parallel.sharding import (
@@ -51,10 +52,21 @@ SHUTDOWN_GRACE_S = 10.0
 
 class BroadcastingRunner:
     """Rank 0's runner: the engine's own runner (same cache, same compiled forward) whose
-    prepared inputs also go to every other rank."""
+    prepared inputs also go to every other rank, as one int64 tensor (`step_codec`) built from
+    the host tensors the runner made (captured on their way to the device), together with the
+    KV transfers rank 0 ran since the last step."""
 
     def __init__(self, runner: ModelRunner, groups: TPGroups) -> None:
         self.inner, self.groups = runner, groups
+        self.transfers: list[KVTransfer] = []  # run on rank 0, not yet sent
+        self._host: list[torch.Tensor] | None = None
+        to_device = runner._to_device
+
+        def capture(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            self._host = parts
+            return to_device(parts)
+
+        runner._to_device = capture
 
     def __getattr__(self, name: str) -> Any:  # forward, graphs, kernels, ...: the inner runner's
         return getattr(self.inner, name)
@@ -62,10 +74,13 @@ class BroadcastingRunner:
     def prepare(self, batch: list, in_flight: None = None) -> tuple[dict, list]:
         """Build the step's inputs and hand them to every rank, whose forward then runs in
         lockstep with this one (the all-reduces pair up). No async batching (refused by the config)."""
+        self._host = None
         kwargs, sampled = self.inner.prepare(batch)
-        plan = dict(kwargs)
-        plan["cb_meta"] = dataclasses.replace(kwargs["cb_meta"], k_caches=[], v_caches=[])
-        self.groups.send(Message("step", pack(plan)))
+        if self._host is None:
+            raise RuntimeError("tensor parallelism: the runner's prepare() did not pass its inputs through _to_device")
+        flat = step_codec.encode(self._host, kwargs["cb_meta"], self.transfers)
+        self.transfers, self._host = [], None
+        self.groups.send(Message("step", flat))
         return kwargs, sampled
 
     def run(self, kwargs: dict) -> torch.Tensor:
@@ -189,11 +204,31 @@ class TensorParallelLeader:
         return self._ranks.local.pids if self._ranks.local is not None else []
 
     def wrap_runner(self, runner: ModelRunner) -> BroadcastingRunner:
-        return BroadcastingRunner(runner, self.groups)
+        self.runner = BroadcastingRunner(runner, self.groups)
+        return self.runner
+
+    def wrap_host_pool(self, pool: HostKVPool | None) -> HostKVPool | None:
+        """Rank 0's host pool: the transfers it runs also go to the other ranks, with the next step
+        (each rank copies its own shard of the pages, before that step's forward pass)."""
+        if pool is None:
+            return None
+        self.host_pool = pool
+        execute = pool.execute
+
+        def broadcasting_execute(transfers: list[KVTransfer]) -> None:
+            execute(transfers)
+            self.runner.transfers.extend(transfers)
+
+        pool.execute = broadcasting_execute
+        return pool
 
     def start(self, cache: PagedKVCache) -> None:
-        """The engine is built: the other ranks allocate the same pages; the heartbeat starts."""
-        self.groups.send(Message("setup", {"num_blocks": cache.num_blocks, "page_size": cache.page_size}))
+        """The engine is built: the other ranks allocate the same pages (and host pool) and take
+        rank 0's attention kernels; the heartbeat starts."""
+        pool = getattr(self, "host_pool", None)
+        self.groups.send(Message("setup", {"num_blocks": cache.num_blocks, "page_size": cache.page_size,
+                                           "host_blocks": pool.num_blocks if pool is not None else 0,
+                                           "kernels": self.runner.inner.kernels}))
         fair_threads = max(1, (os.cpu_count() or 1) // self.world)
         if self.device.type == "cpu" and torch.get_num_threads() > fair_threads:
             logger.warning("%d ranks share %d CPUs and rank 0 uses %d torch threads: oversubscribed threads "
