@@ -283,7 +283,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lines(model_dir: Path) -> Lines:
     import cbserve
 
-    model, tokenizer = cbserve.load_model(str(model_dir))
+    # The engines' dtype (ClusterArgs.dtype), not load_model's "auto".
+    model, tokenizer = cbserve.load_model(str(model_dir), dtype="float32")
     built, _ = build_lines(tokenizer, model)
     return built
 

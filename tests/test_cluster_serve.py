@@ -74,7 +74,8 @@ def reference(cluster: dict[str, Any]) -> Any:
 
     import cbserve
 
-    model, tokenizer = cbserve.load_model(str(cluster["model_dir"]))
+    # The cluster's dtype (ClusterArgs.dtype), not load_model's "auto".
+    model, tokenizer = cbserve.load_model(str(cluster["model_dir"]), dtype="float32")
     cfg = cbserve.ContinuousBatchingConfig(per_request_processors=True, return_logprobs=True, **ENGINE)
     mgr = cbserve.init_continuous_batching(
         model, generation_config=GenerationConfig(max_new_tokens=16, eos_token_id=model.config.eos_token_id),
