@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import queue
 import signal
 import threading
@@ -27,6 +28,7 @@ from cbserve import FinishReason, RequestStatus
 from cbserve.kernels import packed_linear
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.workers.compilation import CompiledForward
+from cbserve.workers.engine import EngineCore
 from tests.tiny_models import VOCAB, random_prompts, reference_generate, tiny_model
 
 TIMEOUT = 30.0
@@ -218,6 +220,21 @@ def test_stop_gives_the_model_back_and_start_takes_it_again(managers: list) -> N
     manager.start()
     assert model.config._attn_implementation == "cbserve_paged" and packed(model)
     assert final(manager, manager.add_request([1, 2, 3])).status == RequestStatus.FINISHED
+
+
+def test_an_engine_dropped_without_release_does_not_hold_the_model(managers: list) -> None:
+    model = tiny_model("llama")
+    EngineCore(model, greedy(4), small())  # never released
+    gc.collect()
+    assert model.config._attn_implementation == "cbserve_paged"  # left switched; plain calls still work
+    logits, tokens = forward_and_generate(model)
+    expected_logits, expected_tokens = forward_and_generate(ref_model())
+    assert torch.equal(logits, expected_logits) and torch.equal(tokens, expected_tokens)
+    manager = cbserve.init_continuous_batching(model, greedy(4), small())
+    managers.append(manager)
+    manager.start()
+    manager.stop()  # the last live engine out gives the model its own attention back
+    assert model.config._attn_implementation == "sdpa"
 
 
 # -- pause ---------------------------------------------------------------------------------------

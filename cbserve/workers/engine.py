@@ -127,7 +127,7 @@ class EngineCore:
         cfg, model = self.config, self.model
         self.attention_backend = backends.select(cfg.attention_backend, self.device, cfg.page_size,
                                                  cfg.auto_switch_to_flash)
-        self._previous_attn = model_sharing.take_attention(model)
+        self._previous_attn = model_sharing.take_attention(model, self)
         forward = CompiledForward(
             model,
             compilation.resolve(cfg.default_compile_level, cfg.varlen_compile_config),
@@ -158,13 +158,13 @@ class EngineCore:
             return
         packed_linear.unpack_linears(self.packed_linears)
         self.runner.forward.restore()
-        model_sharing.give_back_attention(self.model)
+        model_sharing.give_back_attention(self.model, self)
         self.holds_model = False
 
     def take_model(self) -> None:
         if self.holds_model:
             return
-        model_sharing.take_attention(self.model)
+        model_sharing.take_attention(self.model, self)
         self.runner.forward.install()
         self.packed_linears = packed_linear.pack_linears(self.model) if self._pack_weights else []
         self.holds_model = True

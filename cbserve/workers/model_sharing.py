@@ -9,7 +9,7 @@ keep the model usable meanwhile:
   `model(...)` or `model.generate(...)`, from any thread, returns what it returns without cbserve
   (the engine's passes are told apart by their `cb_meta` argument and, for the mask, which builds
   before any layer runs, by a thread-local flag the engine sets around its forward);
-- `take_attention` / `give_back_attention` count the engines holding a model: the last one out
+- `take_attention` / `give_back_attention` track the engines holding a model: the last one out
   gives it back its own implementation (the manager's stop() and pause()).
 """
 
@@ -32,8 +32,8 @@ _local = threading.local()  # .in_forward: this thread runs an engine's forward 
 _lock = threading.Lock()
 # id(config) -> (the config, the implementation it had before the first engine took it)
 _own: dict[int, tuple[weakref.ref, str]] = {}
-# id(model) -> (the model, how many engines hold it)
-_holders: dict[int, tuple[weakref.ref, int]] = {}
+# id(model) -> (the model, the engines holding it)
+_holders: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
 
 
 @contextmanager
@@ -121,35 +121,36 @@ def _configs(model: torch.nn.Module) -> list[Any]:
     return list(found.values())
 
 
-def take_attention(model: torch.nn.Module) -> str:
-    """Switch `model` to cbserve's attention (counting the engines holding it); returns the
-    implementation it had."""
+def take_attention(model: torch.nn.Module, holder: object) -> str:
+    """Switch `model` to cbserve's attention for `holder` (an engine); returns the implementation
+    it had. Several engines may hold one model: see `give_back_attention`."""
     register()
     previous = model.config._attn_implementation
     with _lock:
         entry = _holders.get(id(model))
-        count = entry[1] if entry is not None and entry[0]() is model else 0
-        if count == 0:
+        if entry is None or entry[0]() is not model:
+            entry = (weakref.ref(model, _forget(_holders, id(model))), weakref.WeakSet())
+            _holders[id(model)] = entry
+        if not entry[1]:
             for config in _configs(model):
                 implementation = config._attn_implementation
                 if implementation != ATTENTION_NAME:  # else the entry of an earlier engine holds
                     _own[id(config)] = (weakref.ref(config, _forget(_own, id(config))), implementation)
             model.set_attn_implementation(ATTENTION_NAME)
-        _holders[id(model)] = (weakref.ref(model, _forget(_holders, id(model))), count + 1)
+        entry[1].add(holder)
     return previous
 
 
-def give_back_attention(model: torch.nn.Module) -> None:
-    """One engine lets go of `model`; the last one gives it back its own attention implementation."""
+def give_back_attention(model: torch.nn.Module, holder: object) -> None:
+    """`holder` lets go of `model`; once no live engine holds it (one dropped without giving it
+    back counts no more), the model gets its own attention implementation back."""
     with _lock:
         entry = _holders.get(id(model))
         if entry is None or entry[0]() is not model:
             return
-        count = entry[1] - 1
-        if count > 0:
-            _holders[id(model)] = (entry[0], count)
+        entry[1].discard(holder)
+        if entry[1]:
             return
-        del _holders[id(model)]
         own = own_implementation(model.config)
         if own is not None and model.config._attn_implementation == ATTENTION_NAME:
             model.set_attn_implementation(own)
