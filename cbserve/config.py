@@ -77,6 +77,11 @@ class ContinuousBatchingConfig(BaseModel):
         None, description="how the tensor-parallel ranks start: spawn (local processes started by the engine), "
         "torchrun, external (a torch.distributed group joined before); None: torchrun under torchrun, else spawn"
     )
+    batch_invariant: bool = Field(
+        False, description="a request's tokens and logprobs bitwise identical whatever else shares its batches "
+        "(CPU: the C++ linear and attention kernels, whose per-row reduction order is fixed, for every layer "
+        "and row); needs attention_backend auto or cpu, packed weights and no torch.compile"
+    )
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)
     scheduler_type: Literal["fifo", "prefill_first"] | None = Field(None, exclude=True)
@@ -115,6 +120,24 @@ class ContinuousBatchingConfig(BaseModel):
                 raise ValueError("use_cuda_graph=True needs a CUDA device, and none is available")
             if self.use_async_batching:
                 raise ValueError("use_async_batching=True needs a CUDA device, and none is available")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_invariant_needs(self) -> ContinuousBatchingConfig:
+        if not self.batch_invariant:
+            return self
+        if self.attention_backend not in ("auto", "cpu"):
+            raise ValueError(f"batch_invariant=True needs attention_backend 'auto' or 'cpu' (the C++ CPU kernel), "
+                             f"got {self.attention_backend!r}")
+        if self.prepack_weights is False:
+            raise ValueError("batch_invariant=True needs prepack_weights (the packed C++ linear kernel), got False")
+        if self.default_compile_level > 0 or self.varlen_compile_config or self.decode_compile_config:
+            raise ValueError("batch_invariant=True cannot be combined with torch.compile (default_compile_level > 0 "
+                             "or a compile config): compiled graphs do not run the packed C++ kernels")
+        graphs = self.use_cuda_graph
+        if self.use_async_batching or (any(graphs) if isinstance(graphs, tuple) else graphs):
+            raise ValueError("batch_invariant=True runs on the CPU backend: use_cuda_graph and use_async_batching "
+                             "must be off")
         return self
 
     @property

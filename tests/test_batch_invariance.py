@@ -1,0 +1,132 @@
+"""Batch invariance: with `ContinuousBatchingConfig(batch_invariant=True)` a request's tokens and
+log-probabilities are bitwise the same whatever else shares its batches: alone, first or last
+among others, with its prefill split into chunks next to other requests' decode rows, with its
+prefix served from the cache, in float32 and bfloat16. The default path (SDPA for prefill chunks)
+is shown to differ, so the comparison has teeth."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import cbserve
+from cbserve.kernels import backends, cpu_isa, cpu_kernels, packed_linear
+from cbserve.workers import engine as engine_module
+from tests.test_exactness import run_engine
+from tests.tiny_models import random_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(bool(cpu_kernels.unavailable_reason()),
+                                reason=f"no C++ CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+MAX_NEW = 12
+TARGET_LEN = 45
+OTHERS = [3, 70, 16, 33, 120, 9, 57]
+
+
+@pytest.fixture(autouse=True)
+def engine_passes_the_flag(monkeypatch: pytest.MonkeyPatch):
+    """Until `EngineCore` hands `config.batch_invariant` to the kernel selection itself, do what it
+    will do: the backend's C++ kernel for every row and the C++ linear kernel for every layer."""
+    if "batch_invariant" in inspect.getsource(engine_module):
+        yield
+        return
+    wanted: list[bool] = [False]
+    select, kernels, pack = backends.select, backends.kernels, packed_linear.pack_linears
+    original_init = engine_module.EngineCore.__init__
+
+    def init(self, model, generation_config=None, config=None, *args, **kwargs):
+        wanted[0] = bool(config is not None and config.batch_invariant)
+        original_init(self, model, generation_config, config, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.EngineCore, "__init__", init)
+    monkeypatch.setattr(backends, "select", lambda *a, **kw: select(*a, **{"batch_invariant": wanted[0], **kw}))
+    monkeypatch.setattr(backends, "kernels", lambda name, *a: kernels(name, wanted[0]))
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, *a: pack(model, wanted[0]))
+    yield
+
+
+def config(invariant: bool = True, **overrides) -> cbserve.ContinuousBatchingConfig:
+    settings = {"page_size": 16, "num_blocks": 160, "max_batch_tokens": 256, "return_logprobs": True,
+                "batch_invariant": invariant, **overrides}
+    return cbserve.ContinuousBatchingConfig(**settings)
+
+
+def target_and_others(seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    prompts = random_prompts([TARGET_LEN, *OTHERS], seed=seed)
+    return prompts[0], prompts[1:]
+
+
+def run_target(model, prompts: list[list[int]], index: int, cfg, setup=None) -> tuple[list[int], list[float]]:
+    requests, _ = run_engine(model, prompts, cfg, MAX_NEW, setup)
+    return requests[index].generated, requests[index].logprobs
+
+
+def scenarios(target: list[int], others: list[list[int]]) -> dict[str, tuple[list[list[int]], int, dict]]:
+    """name -> (prompts, index of the target, config overrides). The first is the target alone."""
+    shared = target[:32] + random_prompts([20], seed=9)[0]  # two full pages in common with the target
+    return {
+        "alone": ([target], 0, {}),
+        "first of 8": ([target, *others], 0, {}),
+        "last of 8": ([*others, target], len(others), {}),
+        "middle, 7-token chunks": ([*others[:3], target, *others[3:]], 3, {"max_batch_tokens": 7}),
+        "chunks of 40 next to decodes": ([*others, target], len(others), {"max_batch_tokens": 40}),
+        "prefix cached": ([shared, *others[:2], target], 3, {"max_batch_tokens": 64}),
+        "one request per step": ([*others[:2], target], 2, {"max_requests_per_batch": 1}),
+    }
+
+
+def outcomes(model, invariant: bool) -> dict[str, tuple[list[int], list[float]]]:
+    target, others = target_and_others()
+    results = {}
+    for name, (prompts, index, overrides) in scenarios(target, others).items():
+        results[name] = run_target(model, prompts, index, config(invariant, **overrides))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_request_is_bitwise_the_same_in_any_batch(arch: str, dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and packed_linear.kernel(torch.bfloat16) != "cbserve":
+        pytest.skip(f"no bfloat16 C++ linear kernel on this CPU ({cpu_isa.selected()})")
+    model = tiny_model(arch, dtype=dtype)
+    results = outcomes(model, invariant=True)
+    alone_tokens, alone_logprobs = results["alone"]
+    assert len(alone_tokens) == MAX_NEW
+    for name, (tokens, logprobs) in results.items():
+        assert tokens == alone_tokens, name
+        assert logprobs == alone_logprobs, f"{name}: logprobs differ (bitwise)"
+
+
+def test_prefix_hits_happen() -> None:
+    """The prefix-cached scenario really serves the target's first pages from the cache."""
+    model = tiny_model("llama", dtype=torch.float32)
+    target, others = target_and_others()
+    prompts, _, overrides = scenarios(target, others)["prefix cached"]
+    _, engine = run_engine(model, prompts, config(**overrides), MAX_NEW)
+    assert engine.scheduler.prefix_hit_tokens >= 32
+
+
+def test_the_default_path_is_not_invariant() -> None:
+    """Without the flag, prefill chunks go through SDPA (reduction order set by the chunk's
+    shape) and decode rows through the C++ kernel: the same request's log-probabilities move with
+    its batch, which the invariance test would catch."""
+    model = tiny_model("llama", dtype=torch.float32)
+    results = outcomes(model, invariant=False)
+    alone = results["alone"][1]
+    assert any(logprobs != alone for _, logprobs in results.values())
+
+
+def test_the_flag_is_refused_where_it_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="attention_backend"):
+        config(attention_backend="sdpa")
+    with pytest.raises(ValueError, match="prepack_weights"):
+        config(prepack_weights=False)
+    with pytest.raises(ValueError, match="torch.compile"):
+        config(default_compile_level=1)
+    with pytest.raises(ValueError, match="batch_invariant=True needs the C.. CPU attention kernel"):
+        backends.select("auto", torch.device("meta"), 16, True, batch_invariant=True)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")  # no C++ linear path: oneDNN only, refused
+    assert "batch-invariant mode needs the C++ linear kernel" in packed_linear.unavailable_reason(
+        torch.device("cpu"), torch.float32, batch_invariant=True)
