@@ -226,5 +226,6 @@ def test_prompt_logprobs_equal_a_full_forward(max_batch_tokens: int) -> None:
         assert request.prompt_logprobs[1:] == pytest.approx(expected[1:], abs=1e-5)
         for p in range(1, len(prompt)):
             values, ids = ref[p - 1].topk(3)
+            assert [v for _, v in request.prompt_top_logprobs[p]] == pytest.approx(values.tolist(), abs=1e-5)
             assert [t for t, _ in request.prompt_top_logprobs[p]] == ids.tolist()
     assert requests[0].prompt_logprobs is None

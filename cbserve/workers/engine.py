@@ -33,8 +33,8 @@ from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.parallel.groups import TensorParallelError
 from cbserve.workers.sampler import Sampler, prompt_logprobs
-from cbserve.workers.structured import Grammar
 from cbserve.workers.sizing import Workload, engine_sizes, host_pool_size
+from cbserve.workers.structured import Grammar
 
 if TYPE_CHECKING:
     from cbserve.workers.parallel.leader import TensorParallelLeader
@@ -93,6 +93,7 @@ class EngineCore:
         self.parallel = parallel
         if parallel is not None:
             self.runner = parallel.wrap_runner(self.runner)
+            self.host_pool = parallel.wrap_host_pool(self.host_pool)  # its transfers reach every rank
             parallel.start(self.cache)
         self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(self.shape.vocab_size, cfg.seed)
