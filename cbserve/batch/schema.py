@@ -30,7 +30,9 @@ class ChatMessage(BaseModel):
 
 
 class BatchLine(BaseModel):
-    """One valid input line."""
+    """One valid input line. Its types and ranges are the documented line format, refused as an
+    `invalid_line` before the job starts an engine; what only the engine can judge (token ids in
+    its vocabulary, max_tokens against the context) comes back from it as `invalid_request`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 

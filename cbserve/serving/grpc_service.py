@@ -111,8 +111,6 @@ def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
     check_limits(args.limits, max_tokens, stops=s.stop)
     if any(not x for x in s.stop):
         raise InvalidRequestError("stop", "stop strings must not be empty")
-    if which == "prompt" and not msg.prompt:
-        raise InvalidRequestError("prompt", "prompt must not be empty")
     prompt: dict[str, Any] = {"prompt": msg.prompt} if which == "prompt" else {"prompt_ids": list(msg.token_ids.ids)}
     return worker_request(
         f"grpc-{uuid.uuid4().hex}",

@@ -152,8 +152,6 @@ class OpenAIService:
                                       "is available")
         out = []
         for p_idx, prompt in enumerate(prompts):
-            if isinstance(prompt, str) and not prompt:
-                raise InvalidRequestError("prompt", "prompt must not be empty")
             form = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
             hashes = routing_hashes(self.args.routing, prompt)
             out += [self._worker_request(req, f"{rid}-{p_idx}-{c}", c, req.max_tokens, req.logprobs is not None,

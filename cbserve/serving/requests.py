@@ -52,7 +52,10 @@ def worker_request(
     stop: Sequence[str] = (),
     logprobs: bool = False,
 ) -> WorkerRequest:
-    """One choice; sampling fields left None take the deployment's generation defaults."""
+    """One choice; sampling fields left None take the deployment's generation defaults. An empty
+    text prompt is refused here, for every front (a tokenizer may turn it into a BOS token alone)."""
+    if prompt is not None and not prompt:
+        raise InvalidRequestError("prompt", "prompt must not be empty")
     return WorkerRequest(
         request_id=request_id,
         prompt=prompt,
