@@ -1,7 +1,8 @@
 """Tensor parallelism (SPEC section 5): tp_size=2 gives tp_size=1's greedy tokens on tiny random
 Llama, Qwen3 and Mistral models (float64, CPU, gloo), through cancel, stop, restart and hard
 stop; a tp_size that does not divide the KV heads is refused before anything starts; a killed
-or hung rank fails the live requests within cpu_group_timeout + 5 s, leaving no process behind.
+or hung rank fails the live requests within cpu_group_timeout + 5 s, leaving no process behind;
+CPU offload works across ranks (each rank offloads and restores its shard of the pages).
 
 Rank processes fork from a forkserver that imports torch once: the first engine of the session
 takes seconds longer than the next ones.
@@ -219,3 +220,29 @@ def test_lost_rank_fails_live_requests_within_the_timeout(how: signal.Signals) -
     finally:
         manager.destroy()
     assert rank_processes_gone(pids)
+
+
+def test_tp2_offloads_and_restores_each_ranks_shard_of_the_pages() -> None:
+    """A cache too small for the batch: evicted requests' pages go to every rank's host pool and
+    come back (each rank its own KV heads); the tokens are those of an engine that never evicts."""
+    from cbserve.workers.factory import build_engine
+
+    prompts = random_prompts([1, 7, 33, 64, 100, 150, 300], seed=6)
+    reference = cbserve.generate_batch(model_for("llama"), prompts, greedy(MAX_NEW), engine_config(),
+                                       progress_bar=False)
+    cfg = engine_config(tp_size=2, num_blocks=24, max_batch_tokens=64, allow_block_sharing=False,
+                        cpu_offload_space=0.01)
+    engine = build_engine(model_for("llama"), greedy(MAX_NEW), cfg)
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+        stats = engine.stats()
+    finally:
+        engine.release_model()
+    assert stats["offloads"] > 0 and stats["restores"] == stats["offloads"] and stats["recomputes"] == 0
+    for request, ref in zip(requests, reference.values()):
+        assert request.generated == ref.generated_tokens, request.request_id
+        assert request.logprobs == pytest.approx(ref.logprobs, abs=1e-9)

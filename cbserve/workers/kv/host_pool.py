@@ -2,14 +2,28 @@
 full, and copied back from when room returns, so the request resumes without recomputing.
 
 The scheduler decides which pages move (`scheduler/host_pages.py`); this pool only holds the
-host tensors and executes the copies of a step plan's `KVTransfer`s. Pinned memory when a GPU is
-present (fast copies); plain host memory otherwise, so the same logic runs, and is tested, on a
-CPU-only machine.
+host tensors and executes the copies of a step plan's `KVTransfer`s. Under tensor parallelism
+every rank has its own pool and runs the same transfers on its shard of the pages.
+
+The order of the copies matters on an accelerator, where they are asynchronous:
+
+- offload: the pages are gathered on the device, copied into a pinned staging buffer, and only
+  when that copy has landed (`fence().synchronize()`) scattered into the pool's pages on the
+  host. Reading the staging buffer earlier would read what was there before.
+- restore: the pool's pages are gathered into the staging buffer on the host, copied to the
+  device and scattered into the cache's pages there (ordered after the copy on the stream); the
+  staging buffer is written again only once that copy has read it.
+
+The copies go through a `copies` object: `CudaCopies` (non-blocking copies, an event as
+fence), `SyncCopies` on a CPU, or a test's stand-in whose device-to-host copies land only when
+the fence is waited on, as a DMA engine's may (tests/test_kv_memory.py: without the fence the
+pool would hold stale pages, and the test fails).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -32,26 +46,96 @@ def host_pool_blocks(cache: PagedKVCache, space_gib: float | None, safety_thresh
     return int(budget // per_block)
 
 
+class Fence(Protocol):
+    def synchronize(self) -> None: ...
+
+
+class Copies(Protocol):
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def fence(self) -> Fence: ...
+
+
+class _Done:
+    def synchronize(self) -> None:
+        pass
+
+
+class SyncCopies:
+    """A CPU engine: every copy is complete when it returns."""
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    to_device = to_host
+
+    def fence(self) -> Fence:
+        return _Done()
+
+
+class CudaCopies:
+    """Non-blocking copies on the current stream; the fence is an event recorded after them."""
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    to_device = to_host
+
+    def fence(self) -> Fence:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
 class HostKVPool:
-    def __init__(self, cache: PagedKVCache, num_blocks: int) -> None:
+    def __init__(self, cache: PagedKVCache, num_blocks: int, copies: Copies | None = None) -> None:
         self.cache = cache
         self.num_blocks = num_blocks
-        pin = cache.device.type == "cuda"
+        self.pin = cache.device.type == "cuda"
+        self.copies = copies or (CudaCopies() if self.pin else SyncCopies())
         shape = (num_blocks, cache.page_size, cache.num_kv_heads, cache.head_dim)
-        self.k = [torch.empty(shape, dtype=cache.dtype, pin_memory=pin) for _ in range(cache.num_layers)]
-        self.v = [torch.empty(shape, dtype=cache.dtype, pin_memory=pin) for _ in range(cache.num_layers)]
+        self.k = [torch.empty(shape, dtype=cache.dtype, pin_memory=self.pin) for _ in range(cache.num_layers)]
+        self.v = [torch.empty(shape, dtype=cache.dtype, pin_memory=self.pin) for _ in range(cache.num_layers)]
+        self._staging: list[torch.Tensor] = []  # per layer, K then V: [pages, page, heads, dim]
+
+    def _staged(self, n: int) -> list[torch.Tensor]:
+        """Staging buffers of at least `n` pages (grown geometrically), pinned on a GPU host."""
+        if not self._staging or self._staging[0].shape[0] < n:
+            size = max(n, 2 * self._staging[0].shape[0] if self._staging else 1)
+            shape = (size, *self.k[0].shape[1:])
+            self._staging = [torch.empty(shape, dtype=self.cache.dtype, pin_memory=self.pin)
+                             for _ in range(2 * self.cache.num_layers)]
+        return [s[:n] for s in self._staging]
+
+    def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device cache, host pool) tensor pairs, K then V for each layer, in staging order."""
+        return list(zip(self.cache.k + self.cache.v, self.k + self.v))
+
+    def offload(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        device = torch.tensor(device_blocks, device=self.cache.device)
+        host = torch.tensor(host_blocks)
+        staging = self._staged(len(device_blocks))
+        for (cached, _), stage in zip(self._layers(), staging):
+            self.copies.to_host(stage, cached.index_select(0, device))
+        self.copies.fence().synchronize()  # the device-to-host copies have landed in `staging`
+        for (_, pool), stage in zip(self._layers(), staging):
+            pool[host] = stage
+
+    def restore(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        device = torch.tensor(device_blocks, device=self.cache.device)
+        host = torch.tensor(host_blocks)
+        staging = self._staged(len(device_blocks))
+        for (cached, pool), stage in zip(self._layers(), staging):
+            torch.index_select(pool, 0, host, out=stage)
+            landed = torch.empty_like(stage, device=self.cache.device)
+            self.copies.to_device(landed, stage)
+            cached.index_copy_(0, device, landed)
+        self.copies.fence().synchronize()  # `staging` has been read: it may be written again
 
     def execute(self, transfers: list[KVTransfer]) -> None:
         """Run a step plan's copies in order; they are complete when this returns."""
         for transfer in transfers:
-            device = torch.tensor(transfer.device_blocks, device=self.cache.device)
-            host = torch.tensor(transfer.host_blocks)
-            for layer in range(self.cache.num_layers):
-                if transfer.kind == "offload":
-                    # A blocking copy: the indexed write must not read the staging tensor before
-                    # the device-to-host copy has landed in it.
-                    self.k[layer][host] = self.cache.k[layer][device].cpu()
-                    self.v[layer][host] = self.cache.v[layer][device].cpu()
-                else:
-                    self.cache.k[layer][device] = self.k[layer][host].to(self.cache.device, non_blocking=True)
-                    self.cache.v[layer][device] = self.v[layer][host].to(self.cache.device, non_blocking=True)
+            if transfer.kind == "offload":
+                self.offload(list(transfer.device_blocks), list(transfer.host_blocks))
+            else:
+                self.restore(list(transfer.device_blocks), list(transfer.host_blocks))

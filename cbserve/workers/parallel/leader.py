@@ -192,12 +192,18 @@ class TensorParallelLeader:
             raise
 
     def engine_config(self, config: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
-        """Rank 0's engine config: on a CPU the ranks' caches share the host's memory, so
+        """Rank 0's engine config. Every rank has a host pool of the same pages (its shard of
+        each), all in the host's memory: together they take `cpu_offload_space` (or the safety
+        threshold of free memory). On a CPU the ranks' caches share the host's memory too, so
         together they take one engine's share."""
-        if self.device.type != "cpu" or config.num_blocks is not None:
-            return config
-        share = (config.max_memory_percent or DEFAULT_MEMORY_PERCENT["cpu"]) / self.world
-        return config.model_copy(update={"max_memory_percent": share})
+        update: dict[str, float] = {}
+        if config.cpu_offload_space:
+            update["cpu_offload_space"] = config.cpu_offload_space / self.world
+        if config.cpu_offload_space is None:
+            update["cpu_offload_space_safety_threshold"] = config.cpu_offload_space_safety_threshold / self.world
+        if self.device.type == "cpu" and config.num_blocks is None:
+            update["max_memory_percent"] = (config.max_memory_percent or DEFAULT_MEMORY_PERCENT["cpu"]) / self.world
+        return config.model_copy(update=update) if update else config
 
     @property
     def rank_pids(self) -> list[int]:

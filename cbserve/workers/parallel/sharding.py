@@ -126,9 +126,6 @@ def check_parallel_config(model: nn.Module, config) -> None:
                              f"load it with world={config.tp_size}")
     else:
         check_tp_size(model, config.tp_size)
-    if config.cpu_offload_space != 0:
-        raise ValueError("cpu_offload_space must be 0 with tp_size > 1: offloading pages across ranks is not "
-                         "supported yet")
 
 
 def check_tp_size(model: nn.Module, tp_size: int) -> None:
