@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -210,6 +211,8 @@ def test_lost_rank_fails_live_requests_within_the_timeout(how: signal.Signals) -
             assert output.status == RequestStatus.FAILED, output
             assert len(output.generated_tokens) < LONG_NEW
             assert "rank 1" in output.error, output.error
+            # ... and what rank 0 was doing when it found out.
+            assert re.search(r"while rank 0 was (sending \w+ message \d+|running its forward pass)", output.error)
         if how == signal.SIGKILL:
             assert "SIGKILL" in outputs[0].error
         else:

@@ -9,7 +9,9 @@
 - ``torchrun``: every rank runs the caller's script; the group is joined from torchrun's
   environment variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...).
 - ``external``: the caller has already joined a `torch.distributed` group of `tp_size` ranks
-  (the Ray cluster's rank actors do this, `cluster/rank_actors.py`).
+  (the Ray cluster's rank actors do this, `cluster/tp_ranks.py`). `Rendezvous` and
+  `join_rendezvous` make such a group without a race: rank 0 binds its store's port (chosen by
+  the OS) before publishing it, and keeps it bound until every rank has joined.
 
 None resolves to ``torchrun`` under torchrun (`TORCHELASTIC_RUN_ID` is set), else ``spawn``.
 """
@@ -65,6 +67,44 @@ def launcher_rank(config: ContinuousBatchingConfig) -> int:
     if launcher == "external" and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0")) if launcher == "torchrun" else 0
+
+
+class Rendezvous:
+    """Rank 0's side of an external group's rendezvous: a TCP store listening on `port` (picked
+    by the OS) from construction on, so the port can be published to the other ranks at once and
+    nothing else can take it before they connect."""
+
+    def __init__(self, address: str, world: int, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        self.address, self.world, self.timeout = address, world, timeout
+        self.store = dist.TCPStore(address, 0, world, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout))
+        self.port = self.store.port
+
+    def join(self, device: torch.device) -> None:
+        """Join the group as rank 0; returns once every rank has joined."""
+        _init_group(self.store, 0, self.world, device, self.timeout, f"{self.address}:{self.port}")
+
+
+def join_rendezvous(address: str, port: int, rank: int, world: int, device: torch.device,
+                    timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Ranks > 0: join the group whose `Rendezvous` rank 0 published at `address:port`."""
+    where = f"{address}:{port}"
+    try:
+        store = dist.TCPStore(address, port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    except Exception as error:
+        raise TensorParallelError(f"rank {rank} could not reach rank 0's rendezvous at {where} within {timeout:g}s "
+                                  f"({type(error).__name__}: {str(error).splitlines()[0][:200]})") from error
+    _init_group(store, rank, world, device, timeout, where)
+
+
+def _init_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: float, where: str) -> None:
+    try:
+        dist.init_process_group(data_backend(device), store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+    except Exception as error:
+        raise TensorParallelError(f"rank {rank} of {world} failed joining the tensor-parallel group at {where} "
+                                  f"(timeout {timeout:g}s; {type(error).__name__}: "
+                                  f"{str(error).splitlines()[0][:200]})") from error
 
 
 def join_launched_group(config: ContinuousBatchingConfig, device: torch.device) -> TPGroups:
@@ -173,14 +213,18 @@ def worker_main(rank: int, world: int, port: int, packed: CheckpointShard | Pack
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    try:  # before saying ready: rank 0 waits for that, bounded by STARTUP_TIMEOUT_S, watching this process
+        shard = packed.materialize(rank, world, device)
+    except Exception:
+        logger.exception("tensor-parallel rank %d could not load its shard", rank)
+        raise SystemExit(1) from None
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(READY_KEY.format(rank), str(os.getpid()))
-    dist.init_process_group(data_backend(device), store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    _init_group(store, rank, world, device, STARTUP_TIMEOUT_S, f"127.0.0.1:{port}")
     code = 0
     try:
         groups = TPGroups(rank, world, timeout, data_backend(device))
-        follow(packed.materialize(rank, world, device), groups, device)
+        follow(shard, groups, device)
     except TensorParallelError:
         code = 1  # logged where raised
     except Exception:
@@ -239,8 +283,7 @@ class LocalRanks:
                 time.sleep(0.05)
 
     def init_group(self, device: torch.device) -> None:
-        dist.init_process_group(data_backend(device), store=self.store, rank=0, world_size=self.world,
-                                timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        _init_group(self.store, 0, self.world, device, STARTUP_TIMEOUT_S, f"127.0.0.1:{self.store.port}")
 
     def report(self) -> str:
         """What became of each rank's process, for error messages."""
