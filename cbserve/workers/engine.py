@@ -51,7 +51,7 @@ def eos_set(eos: int | list[int] | None) -> frozenset[int]:
 def pack_weights_wanted(config: ContinuousBatchingConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear weights get packed for the CPU kernels (`prepack_weights`, CPU only)."""
     compiled = config.default_compile_level > 0 or config.varlen_compile_config or config.decode_compile_config
-    reason = packed_linear.unavailable_reason(device, dtype) or (
+    reason = packed_linear.unavailable_reason(device, dtype, config.batch_invariant) or (
         "torch.compile does not trace oneDNN-packed weights" if compiled else "")
     wanted = config.prepack_weights
     if wanted and reason:
@@ -88,7 +88,7 @@ class EngineCore:
         self._build_memory(sizes)
         self._build_runner(sizes)
         self._pack_weights = pack_weights
-        self.packed_linears = packed_linear.pack_linears(model) if pack_weights else []
+        self.packed_linears = packed_linear.pack_linears(model, cfg.batch_invariant) if pack_weights else []
         self.holds_model = True  # its attention, linears and compiled layers are the engine's (take_model)
         self.parallel = parallel
         if parallel is not None:
@@ -127,7 +127,7 @@ class EngineCore:
         """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
         cfg, model = self.config, self.model
         self.attention_backend = backends.select(cfg.attention_backend, self.device, cfg.page_size,
-                                                 cfg.auto_switch_to_flash)
+                                                 cfg.auto_switch_to_flash, cfg.batch_invariant)
         self._previous_attn = model_sharing.take_attention(model, self)
         forward = CompiledForward(
             model,
@@ -135,8 +135,8 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
         )
-        self.runner = ModelRunner(model, self.cache, forward, backends.kernels(self.attention_backend),
-                                  sizes.fast_path_width)
+        kernels = backends.kernels(self.attention_backend, cfg.batch_invariant)
+        self.runner = ModelRunner(model, self.cache, forward, kernels, sizes.fast_path_width)
         self.runner.graphs = build_step_graphs(cfg, self.runner, self.attention_backend, sizes.max_requests,
                                                sizes.max_batch_tokens)
         # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
@@ -167,7 +167,8 @@ class EngineCore:
             return
         model_sharing.take_attention(self.model, self)
         self.runner.forward.install()
-        self.packed_linears = packed_linear.pack_linears(self.model) if self._pack_weights else []
+        self.packed_linears = (packed_linear.pack_linears(self.model, self.config.batch_invariant)
+                               if self._pack_weights else [])
         self.holds_model = True
 
     # -- requests ----------------------------------------------------------------------------
