@@ -5,8 +5,10 @@ every request generates exactly its length, greedy. Prints output tokens/s per e
 the machine, a matmul roofline (time of `F.linear` over every weight for a 128-token batch) and how
 many requests' greedy tokens differ between engines.
 
-    python bench/throughput.py --workload all --json bench.json
+    python bench/throughput.py --workload all --dtype bfloat16 --json bench.json
     python bench/throughput.py --workload mixed --requests 8 --engines cbserve,hf_cb
+    python bench/throughput.py --workload mixed --engines cbserve,cbserve:speed \
+        --cbserve-variant speed='{"batch_invariant": false}'     # A/B of engine settings, one process
 """
 
 from __future__ import annotations
@@ -63,11 +65,10 @@ RANDOM_SHAPES = {
 }
 
 
-def random_model(shape: str, device: str):
+def random_model(shape: str, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(**RANDOM_SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
     model.config._name_or_path = f"random {shape}"
     return model.to(device).eval()
@@ -101,16 +102,18 @@ def greedy_config(max_new_tokens: int, pad_token_id: int | None) -> GenerationCo
 
 
 CBSERVE_OVERRIDES: dict = {}  # --cbserve-config: ContinuousBatchingConfig fields for ablations
+VARIANTS: dict[str, dict] = {}  # --cbserve-variant NAME=JSON: engine "cbserve:NAME" with more fields
 
 
-def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None) -> tuple[list, str]:
+def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None,
+                overrides: dict | None = None) -> tuple[list, str]:
     """The loop of `generate_batch`, with each request's own max_new_tokens (which `generate_batch`'s
     single generation config cannot express), and the engine's host overhead share."""
     from cbserve.config import ContinuousBatchingConfig
     from cbserve.workers.engine import EngineCore
 
-    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}),
-                                         **CBSERVE_OVERRIDES)
+    overrides = {**CBSERVE_OVERRIDES, **(overrides or {})}
+    cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}), **overrides)
     engine = EngineCore(
         model,
         greedy_config(max(work.lengths), pad_id),
@@ -132,8 +135,8 @@ def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None
         packed = f", {len(engine.packed_linears)} packed linears" if engine.packed_linears else ""
         note = (f"EngineCore ({engine.attention_backend} attention{packed}); host overhead "
                 f"(schedule+prepare) {100 * host:.1f}% of step time")
-        if CBSERVE_OVERRIDES:
-            note += f"; config {json.dumps(CBSERVE_OVERRIDES)}"
+        if overrides:
+            note += f"; config {json.dumps(overrides)}"
         return [r.snapshot().generated_tokens for r in requests], note
     finally:
         engine.release_model()
@@ -193,7 +196,10 @@ def timed_run(engine: str, model, work: Workload, pad_id: int | None, page_size:
     gc.collect()
     start = time.perf_counter()
     with torch.inference_mode():
-        tokens, note = RUNNERS[engine](model, work, pad_id, page_size)
+        if engine.startswith("cbserve:"):
+            tokens, note = run_cbserve(model, work, pad_id, page_size, VARIANTS[engine.split(":", 1)[1]])
+        else:
+            tokens, note = RUNNERS[engine](model, work, pad_id, page_size)
     seconds = time.perf_counter() - start
     produced = [len(t) for t in tokens]
     if produced != work.lengths:
@@ -257,7 +263,7 @@ def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str
         if not packed_linear.unavailable_reason(weights[0].device, weights[0].dtype):
             packed = [packed_linear.PackedLinear(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
             packed_best = _best_time(lambda: [p(inputs[p.in_features]) for p in packed], sync, repeats)
-            packed_kind = packed[0].kind
+            packed_kind = packed[0].extra_repr().split("packed for ")[-1]
             del packed
     flops = sum(2 * tokens * w.numel() for w in weights)
     return {
@@ -270,7 +276,13 @@ def roofline(model, tokens: int = ROOFLINE_TOKENS, repeats: int = 5) -> dict[str
     }
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
 def machine() -> dict[str, object]:
+    from cbserve.kernels import cpu_isa
+
     cpu = platform.processor() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -286,6 +298,8 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "isa_flags": [f for f in ISA_FLAGS if f in cpu_isa.cpu_flags()],
+        "kernel_path": cpu_isa.selected(),
     }
 
 
@@ -303,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES), default=None,
                         help="a random-weight model of a real model's shape instead of --model (no files needed)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="model dtype for every engine; auto: bfloat16 where the CPU has native bfloat16 dot "
+                        "products, else float32 (bfloat16 on CUDA)")
     parser.add_argument("--page-size", type=int, default=None, help="KV page size for both CB engines")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -316,11 +333,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cbserve-config", type=json.loads, default={}, metavar="JSON",
                         help='extra ContinuousBatchingConfig fields for cbserve, e.g. \'{"prepack_weights": false}\'')
+    parser.add_argument("--cbserve-variant", action="append", default=[], metavar="NAME=JSON",
+                        help='an extra engine "cbserve:NAME" with these ContinuousBatchingConfig fields, e.g. '
+                        'speed=\'{"batch_invariant": false}\' (add cbserve:NAME to --engines)')
     parser.add_argument("--no-roofline", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    for variant in args.cbserve_variant:
+        name, _, fields = variant.partition("=")
+        try:
+            VARIANTS[name] = json.loads(fields)
+        except json.JSONDecodeError as error:
+            parser.error(f"--cbserve-variant {variant!r}: {error}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = set(engines) - set(ENGINES)
+    unknown = set(engines) - set(ENGINES) - {f"cbserve:{name}" for name in VARIANTS}
     if unknown or not engines:
         parser.error(f"--engines: unknown {sorted(unknown)}; choose from {ENGINES}")
     args.engines = engines
@@ -339,10 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    from cbserve.kernels.cpu_isa import resolve_dtype
+
+    dtype = torch.bfloat16 if args.dtype == "auto" and args.device == "cuda" else resolve_dtype(args.dtype)
     if args.random_shape:
-        model, pad_id, special = random_model(args.random_shape, args.device), 0, {0}
+        model, pad_id, special = random_model(args.random_shape, args.device, dtype), 0, {0}
     else:
-        model, tokenizer = load_model(args.model, dtype=torch.float32)
+        model, tokenizer = load_model(args.model, dtype=dtype)
         model = model.to(args.device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         special = set(tokenizer.all_special_ids)
@@ -355,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine: {cpu}, {cores} cores ({usable_cores} usable), torch {torch}, {torch_threads} threads, "
         "load average {load_average_1min:.1f} before the run".format(**info["machine"])
     )
+    print(f"CPU flags: {' '.join(info['machine']['isa_flags']) or 'none of ' + ' '.join(ISA_FLAGS)}; "
+          f"cbserve kernel path {info['machine']['kernel_path']}; model dtype {info['dtype']}")
 
     warm = Workload("warmup", [allowed[:16], allowed[16:48], allowed[48:56], allowed[56:80]], [4, 8, 2, 6])
     for engine in args.engines:
@@ -399,6 +430,7 @@ def check_tokens(model, workloads: list[Workload], runs: list[Run], alone: int, 
     for work in workloads:
         by_engine = {r.engine: r.tokens for r in runs if r.workload == work.name}
         pairs = [("cbserve", "hf_static"), ("cbserve", "hf_cb"), ("hf_cb", "hf_static")]
+        pairs += [("cbserve", e) for e in by_engine if e.startswith("cbserve:")]
         for a, b in pairs:
             if a in by_engine and b in by_engine:
                 diff = mismatches(by_engine[a], by_engine[b])
@@ -431,17 +463,18 @@ def check_tokens(model, workloads: list[Workload], runs: list[Run], alone: int, 
 def report(runs: list[Run], checks: list[dict], roof: dict[str, float] | None) -> None:
     print()
     print(
-        f"{'workload':<8} {'engine':<10} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>9}  how"
+        f"{'workload':<8} {'engine':<14} {'requests':>8} {'out tokens':>10} {'seconds':>8} {'tok/s':>9}  how"
     )
     for r in runs:
         print(
-            f"{r.workload:<8} {r.engine:<10} {r.requests:>8} {r.output_tokens:>10} {r.seconds:>8.2f} "
+            f"{r.workload:<8} {r.engine:<14} {r.requests:>8} {r.output_tokens:>10} {r.seconds:>8.2f} "
             f"{r.tokens_per_s:>9.1f}  {r.note}"
         )
     rate = {(r.workload, r.engine): r.tokens_per_s for r in runs}
     for workload in dict.fromkeys(r.workload for r in runs):
         mine = rate.get((workload, "cbserve"))
-        for other in ("hf_cb", "hf_static"):
+        others = ["hf_cb", "hf_static"] + [e for w, e in rate if w == workload and e.startswith("cbserve:")]
+        for other in others:
             if mine and (workload, other) in rate:
                 print(f"{workload}: cbserve/{other} = {mine / rate[(workload, other)]:.2f}x")
     for c in checks:
@@ -458,7 +491,7 @@ def report(runs: list[Run], checks: list[dict], roof: dict[str, float] | None) -
         )
         packed = roof.get("packed_seconds")
         if packed:
-            print(f"  the same with packed weights ({roof['packed_kernel']} kernel, cbserve's CPU GEMMs): {packed * 1e3:.1f} ms, "
+            print(f"  the same with packed weights ({roof['packed_kernel']}, cbserve's CPU GEMMs): {packed * 1e3:.1f} ms, "
                   f"ceiling {ROOFLINE_TOKENS / packed:.0f} tok/s")
         if ("decode", "cbserve") in rate:
             share = rate[("decode", "cbserve")] / roof["tokens_per_s_ceiling"]

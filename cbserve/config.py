@@ -77,10 +77,17 @@ class ContinuousBatchingConfig(BaseModel):
         None, description="how the tensor-parallel ranks start: spawn (local processes started by the engine), "
         "torchrun, external (a torch.distributed group joined before); None: torchrun under torchrun, else spawn"
     )
-    batch_invariant: bool = Field(
-        False, description="a request's tokens and logprobs bitwise identical whatever else shares its batches "
-        "(CPU: the C++ linear and attention kernels, whose per-row reduction order is fixed, for every layer "
-        "and row); needs attention_backend auto or cpu, packed weights and no torch.compile"
+    batch_invariant: bool | None = Field(
+        None, description="a request's tokens and logprobs bitwise identical whatever else shares its batches. "
+        "True: guaranteed (the C++ CPU linear and attention kernels, whose per-row reduction order is fixed, for "
+        "every layer and row; needs attention_backend auto or cpu, packed weights, no torch.compile); None: those "
+        "kernels wherever the CPU path runs them (they are also the fastest), not enforced; False: kernels chosen "
+        "for speed alone (SDPA for prefill chunks)"
+    )
+    node_kv_pool: str | None = Field(
+        None, min_length=1, description="name of this node's shared KV pool (workers/kv/node_pool.py, created by "
+        "its owner) to pull missed prefix pages from and publish computed ones to; needs cpu_offload_space != 0 "
+        "(pulled pages are staged in the engine's host pool) and tp_size=1"
     )
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)
@@ -108,6 +115,17 @@ class ContinuousBatchingConfig(BaseModel):
         if data.get("scheduler_type") is not None:
             data.setdefault("scheduler", data["scheduler_type"])
         return data
+
+    @model_validator(mode="after")
+    def _node_kv_pool_needs(self) -> ContinuousBatchingConfig:
+        if self.node_kv_pool is None:
+            return self
+        if self.cpu_offload_space == 0:
+            raise ValueError("node_kv_pool needs cpu_offload_space > 0 or None: pages pulled from the node pool are "
+                             "staged in the engine's host pool")
+        if self.tp_size > 1:
+            raise ValueError(f"node_kv_pool works with tp_size=1 only, got tp_size={self.tp_size}")
+        return self
 
     @model_validator(mode="after")
     def _device_only_features(self) -> ContinuousBatchingConfig:

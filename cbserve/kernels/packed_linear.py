@@ -107,7 +107,7 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for {how}"
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> str:
+def unavailable_reason(device: torch.device, dtype: torch.dtype, batch_invariant: bool | None = None) -> str:
     """'' when the weights can be packed, else why not. `batch_invariant`: for the C++ kernel only."""
     if device.type != "cpu":
         return f"weights are packed for CPUs only, the model is on {device.type}"
@@ -129,9 +129,9 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, batch_invariant
     return ""
 
 
-def pack_linears(model: torch.nn.Module, batch_invariant: bool = False) -> list[tuple[torch.nn.Module, str]]:
+def pack_linears(model: torch.nn.Module, batch_invariant: bool | None = None) -> list[tuple[torch.nn.Module, str]]:
     """Replace every plain `nn.Linear` of `model` (the LM head too) by a `PackedLinear`; returns where,
-    for `unpack`. `batch_invariant`: the C++ kernel for every row count (never oneDNN)."""
+    for `unpack`. `batch_invariant=True`: the C++ kernel for every row count (never oneDNN)."""
     swapped = []
     kind = "cbserve" if batch_invariant else None
     for parent in list(model.modules()):

@@ -72,6 +72,21 @@ inline void for_each_slot(const int64_t* table, int64_t page_size, int64_t first
   }
 }
 
+// A request's visible positions [first, last] and where they live.
+struct Slots {
+  const int64_t* table;
+  int64_t page_size, first, last;
+};
+
+// for (j, slot) over a Slots (j counting from 0), a page at a time, without a lambda: vector code
+// must stay inside its own target function.
+#define CB_FOR_SLOTS(S, J, SLOT)                                                                        \
+  for (int64_t pos_ = (S).first; pos_ <= (S).last; pos_ = (pos_ / (S).page_size + 1) * (S).page_size)   \
+    for (int64_t J = pos_ - (S).first,                                                                  \
+                 SLOT = (S).table[pos_ / (S).page_size] * (S).page_size + pos_ % (S).page_size,         \
+                 end_ = std::min((pos_ / (S).page_size + 1) * (S).page_size, (S).last + 1) - (S).first; \
+         J < end_; ++J, ++SLOT)
+
 // --------------------------------------------------------------------------- vector helpers
 //
 // Ops<T> provides, for query rows held as Q and K/V stored as T, accumulating in Acc:
@@ -83,6 +98,9 @@ template <typename T>
 struct Generic {
   using Acc = at::opmath_type<T>;
   using Q = Acc;
+  static constexpr int kQK = 0, kPV = 0;  // no fixed-size head routines
+  template <int DV> static Acc head_scores(const Q*, const T*, int64_t, const Slots&, Acc, Acc*) { return 0; }
+  template <int DV> static void head_values(const Acc*, const T*, int64_t, const Slots&, Acc, T*) {}
   static void load_q(Q* dst, const T* src, int64_t d) {
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Acc>(src[i]);
   }
@@ -197,6 +215,44 @@ struct Avx2 {
     for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
     for (; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
   }
+  // One query head of dimension 8 * DV, its q in registers: out[j] = scale * q.k_j; returns the max.
+  static constexpr int kQK = 8, kPV = 8;
+  template <int DV>
+  CB_AVX2 static float head_scores(const float* q, const T* k, int64_t kv_row, const Slots& sl, float scale, float* out) {
+    __m256 qv[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+    float top = -std::numeric_limits<float>::infinity();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const T* kr = k + slot * kv_row;
+      __m256 s0 = _mm256_mul_ps(qv[0], load8_avx2(kr)), s1 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 1; i < DV; ++i) {
+        if (i % 2) s1 = _mm256_fmadd_ps(qv[i], load8_avx2(kr + 8 * i), s1);
+        else s0 = _mm256_fmadd_ps(qv[i], load8_avx2(kr + 8 * i), s0);
+      }
+      out[j] = hsum_avx2(_mm256_add_ps(s0, s1)) * scale;
+      top = std::max(top, out[j]);
+    }
+    return top;
+  }
+  // out = inv * sum_j p[j] v_j for one query head of dimension 8 * DV, accumulated in registers.
+  template <int DV>
+  CB_AVX2 static void head_values(const float* p, const T* v, int64_t kv_row, const Slots& sl, float inv, T* out) {
+    __m256 acc[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) acc[i] = _mm256_setzero_ps();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const T* vr = v + slot * kv_row;
+      const __m256 pj = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) acc[i] = _mm256_fmadd_ps(pj, load8_avx2(vr + 8 * i), acc[i]);
+    }
+    alignas(32) float buf[8 * DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) _mm256_store_ps(buf + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+    for (int d = 0; d < 8 * DV; ++d) out[d] = static_cast<T>(buf[d]);
+  }
 };
 
 CB_AVX512 inline __mmask16 tail16(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
@@ -239,6 +295,42 @@ struct Avx512 {
       _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(pv, load16_avx512(v + i, m), _mm512_maskz_loadu_ps(m, acc + i)));
     }
   }
+  static constexpr int kQK = 16, kPV = 16;
+  template <int DV>
+  CB_AVX512 static float head_scores(const float* q, const T* k, int64_t kv_row, const Slots& sl, float scale, float* out) {
+    __m512 qv[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    float top = -std::numeric_limits<float>::infinity();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const T* kr = k + slot * kv_row;
+      __m512 s0 = _mm512_mul_ps(qv[0], load16_avx512(kr, 0xFFFF)), s1 = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 1; i < DV; ++i) {
+        if (i % 2) s1 = _mm512_fmadd_ps(qv[i], load16_avx512(kr + 16 * i, 0xFFFF), s1);
+        else s0 = _mm512_fmadd_ps(qv[i], load16_avx512(kr + 16 * i, 0xFFFF), s0);
+      }
+      out[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+      top = std::max(top, out[j]);
+    }
+    return top;
+  }
+  template <int DV>
+  CB_AVX512 static void head_values(const float* p, const T* v, int64_t kv_row, const Slots& sl, float inv, T* out) {
+    __m512 acc[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) acc[i] = _mm512_setzero_ps();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const T* vr = v + slot * kv_row;
+      const __m512 pj = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) acc[i] = _mm512_fmadd_ps(pj, load16_avx512(vr + 16 * i, 0xFFFF), acc[i]);
+    }
+    alignas(64) float buf[16 * DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+    for (int d = 0; d < 16 * DV; ++d) out[d] = static_cast<T>(buf[d]);
+  }
 };
 
 // bfloat16 K/V with the query kept in bfloat16: q.k by `vdpbf16ps` (pairs of products, float32
@@ -254,6 +346,27 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
     }
     return _mm512_reduce_add_ps(s);
   }
+  static constexpr int kQK = 32;  // kPV: Avx512's
+  template <int DV>
+  CB_AVX512BF16 static float head_scores(const c10::BFloat16* q, const c10::BFloat16* k, int64_t kv_row, const Slots& sl,
+                                         float scale, float* out) {
+    __m512bh qv[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    float top = -std::numeric_limits<float>::infinity();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const c10::BFloat16* kr = k + slot * kv_row;
+      __m512 s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr)), s1 = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 1; i < DV; ++i) {
+        if (i % 2) s1 = _mm512_dpbf16_ps(s1, qv[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+        else s0 = _mm512_dpbf16_ps(s0, qv[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+      }
+      out[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+      top = std::max(top, out[j]);
+    }
+    return top;
+  }
 };
 #endif  // CB_X86
 
@@ -262,46 +375,82 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
 template <class Ops>
 struct Buffers {
   std::vector<typename Ops::Q> q;
-  std::vector<typename Ops::Acc> scores, acc, top, inv;
+  std::vector<typename Ops::Acc> scores, acc;
 };
 
-// Query heads [g0 * group, + nq) of query row `row` (KV heads [g0, + nq / group)).
+// The fixed-size head routines of Ops for this head dimension, or the loops over `dot` / `axpy`.
 template <class Ops, typename T>
-inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, Buffers<Ops>& buf) {
+struct Head {
+  using A = typename Ops::Acc;
+  int dv_qk = 0, dv_pv = 0;
+  explicit Head(int64_t dim) {
+    if constexpr (Ops::kQK > 0) {
+      for (int dv : {1, 2, 4, 8}) {
+        if (dim == Ops::kQK * dv) dv_qk = dv;
+        if (dim == Ops::kPV * dv) dv_pv = dv;
+      }
+    }
+  }
+  A scores(const typename Ops::Q* q, const T* k, int64_t kv_row, const Slots& sl, A scale, A* out, int64_t dim) const {
+    switch (dv_qk) {
+      case 1: return Ops::template head_scores<1>(q, k, kv_row, sl, scale, out);
+      case 2: return Ops::template head_scores<2>(q, k, kv_row, sl, scale, out);
+      case 4: return Ops::template head_scores<4>(q, k, kv_row, sl, scale, out);
+      case 8: return Ops::template head_scores<8>(q, k, kv_row, sl, scale, out);
+      default: break;
+    }
+    A top = -std::numeric_limits<A>::infinity();
+    for_each_slot(sl.table, sl.page_size, sl.first, sl.last, [&](int64_t j, int64_t slot) {
+      out[j] = Ops::dot(q, k + slot * kv_row, dim) * scale;
+      top = std::max(top, out[j]);
+    });
+    return top;
+  }
+  void values(const A* p, const T* v, int64_t kv_row, const Slots& sl, A inv, T* out, int64_t dim,
+              std::vector<A>& acc) const {
+    switch (dv_pv) {
+      case 1: return Ops::template head_values<1>(p, v, kv_row, sl, inv, out);
+      case 2: return Ops::template head_values<2>(p, v, kv_row, sl, inv, out);
+      case 4: return Ops::template head_values<4>(p, v, kv_row, sl, inv, out);
+      case 8: return Ops::template head_values<8>(p, v, kv_row, sl, inv, out);
+      default: break;
+    }
+    acc.assign(dim, A(0));
+    for_each_slot(sl.table, sl.page_size, sl.first, sl.last,
+                  [&](int64_t j, int64_t slot) { Ops::axpy(acc.data(), p[j], v + slot * kv_row, dim); });
+    for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d] * inv);
+  }
+};
+
+// Query heads [g0 * group, + nq) of query row `row` (KV heads [g0, + nq / group)), one head at a
+// time: scaled scores (soft-capped), their max, exp and sum, the weighted sum of V rows, / sum.
+template <class Ops, typename T>
+inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, const Head<Ops, T>& head, Buffers<Ops>& buf) {
   using A = typename Ops::Acc;
   const int64_t dim = a.dim, group = a.heads / a.kv_heads, kv_row = a.kv_heads * dim;
-  const int64_t b = a.row_request[row], pos = a.row_position[row];
+  const int64_t pos = a.row_position[row];
   const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  const Slots sl{a.tables + a.row_request[row] * a.width, a.page_size, first, pos};
   const int64_t n = pos + 1 - first;
-  const int64_t* table = a.tables + b * a.width;
-  const T* kp = static_cast<const T*>(a.k);
-  const T* vp = static_cast<const T*>(a.v);
   const T* qrow = static_cast<const T*>(a.q) + (row * a.heads + g0 * group) * dim;
-  const A scale = static_cast<A>(a.scale), cap = static_cast<A>(a.softcap);
-  buf.q.resize(nq * dim);
-  for (int64_t h = 0; h < nq; ++h) Ops::load_q(buf.q.data() + h * dim, qrow + h * dim, dim);
-  buf.scores.resize(nq * n);
-  buf.top.assign(nq, -std::numeric_limits<A>::infinity());
-  buf.inv.resize(nq);
-  A* scores = buf.scores.data();
-  for_each_slot(table, a.page_size, first, pos, [&](int64_t j, int64_t slot) {
-    const T* krow = kp + slot * kv_row + g0 * dim;
-    for (int64_t h = 0; h < nq; ++h) {
-      A s = Ops::dot(buf.q.data() + h * dim, krow + (h / group) * dim, dim) * scale;
-      if (cap > 0) s = cap * std::tanh(s / cap);
-      scores[h * n + j] = s;
-      buf.top[h] = std::max(buf.top[h], s);
-    }
-  });
-  for (int64_t h = 0; h < nq; ++h) buf.inv[h] = A(1) / Ops::exp_sum(scores + h * n, n, buf.top[h]);
-  buf.acc.assign(nq * dim, A(0));
-  for_each_slot(table, a.page_size, first, pos, [&](int64_t j, int64_t slot) {
-    const T* vrow = vp + slot * kv_row + g0 * dim;
-    for (int64_t h = 0; h < nq; ++h) Ops::axpy(buf.acc.data() + h * dim, scores[h * n + j], vrow + (h / group) * dim, dim);
-  });
   T* orow = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * dim;
+  const A scale = static_cast<A>(a.scale), cap = static_cast<A>(a.softcap);
+  buf.q.resize(dim);
+  buf.scores.resize(n);
+  A* scores = buf.scores.data();
   for (int64_t h = 0; h < nq; ++h) {
-    for (int64_t d = 0; d < dim; ++d) orow[h * dim + d] = static_cast<T>(buf.acc[h * dim + d] * buf.inv[h]);
+    const int64_t kv_offset = (g0 + h / group) * dim;
+    Ops::load_q(buf.q.data(), qrow + h * dim, dim);
+    A top = head.scores(buf.q.data(), static_cast<const T*>(a.k) + kv_offset, kv_row, sl, scale, scores, dim);
+    if (cap > 0) {
+      top = -std::numeric_limits<A>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = cap * std::tanh(scores[j] / cap);
+        top = std::max(top, scores[j]);
+      }
+    }
+    const A inv = A(1) / Ops::exp_sum(scores, n, top);
+    head.values(scores, static_cast<const T*>(a.v) + kv_offset, kv_row, sl, inv, orow + h * dim, dim, buf.acc);
   }
 }
 
@@ -313,9 +462,10 @@ struct Tasks {
 template <class Ops, typename T>
 inline void run_tasks(const Args& a, const Tasks& t) {
   Buffers<Ops> buf;
+  const Head<Ops, T> head(a.dim);
   const int64_t per_task = a.kv_heads / t.splits, group = a.heads / a.kv_heads;
   for (int64_t task = t.first; task < t.count; task += t.stride) {
-    attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, buf);
+    attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, head, buf);
   }
 }
 
