@@ -2,13 +2,20 @@
 
 The scheduler decides offloads and restores and records them as `KVTransfer`s in its step plan;
 the engine executes the copies (`workers/kv/host_pool.py`) before the step's forward pass, in
-the order they were decided, so a page freed by one transfer may be reused by a later one.
+the order they were decided. Host pages freed while a step is planned (a restore's) become
+reusable only from the next step on: a copy into them made while planning (a node pool pull)
+must not overwrite what a transfer of the same plan has yet to read.
+
+With a per-node KV pool (`node`, `workers/kv/node_pool.py`), a request admitted without its
+whole prefix in the engine's own cache first asks the node pool for the following pages: those
+it holds are copied into host pages at once and restored like an offloaded request's. A
+request preempted when the host pool is full leaves its full pages to the node pool (`export`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from cbserve.scheduler.request import Request
 
@@ -16,24 +23,45 @@ from cbserve.scheduler.request import Request
 @dataclass(frozen=True)
 class KVTransfer:
     """Copy pages between the device cache and the host pool: `offload` device -> host,
-    `restore` host -> device, page i of one side to page i of the other."""
+    `restore` host -> device, page i of one side to page i of the other; `export` device -> the
+    node pool, the device pages holding `tokens` (whole pages, from the request's first)."""
 
-    kind: Literal["offload", "restore"]
+    kind: Literal["offload", "restore", "export"]
     device_blocks: tuple[int, ...]
     host_blocks: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
+
+
+class NodePages(Protocol):
+    """The engine's side of the node pool, as the scheduler sees it."""
+
+    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int]) -> int:
+        """Copy the node pool's pages `first_page`, `first_page + 1`, ... of `tokens` (as many
+        as it holds, up to `num_pages`, verified) into `host_blocks`; returns how many."""
+        ...
 
 
 class HostPages:
-    def __init__(self, num_blocks: int, page_size: int) -> None:
+    def __init__(self, num_blocks: int, page_size: int, node: NodePages | None = None) -> None:
         self.num_blocks = num_blocks
         self.page_size = page_size
+        self.node = node
         self._free = list(range(num_blocks))
+        self._released: list[int] = []  # free from the next step on
+        self._first_page: dict[str, int] = {}  # pulled requests: where their host pages go
         self.num_offloads = 0
         self.num_restores = 0
+        self.num_node_hit_tokens = 0
+        self.num_exports = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._released)
+
+    def begin_step(self) -> None:
+        """A new plan: pages released while the last one was made may be reused."""
+        self._free.extend(self._released)
+        self._released.clear()
 
     def offload(self, request: Request) -> KVTransfer | None:
         """Give the request host pages for its computed tokens; None when the pool lacks room."""
@@ -48,7 +76,8 @@ class HostPages:
 
     def restore(self, request: Request) -> KVTransfer:
         """Back into the request's (already allocated) device pages; its host pages are free again."""
-        transfer = KVTransfer("restore", tuple(request.block_ids[: len(request.host_block_ids)]),
+        first = self._first_page.get(request.request_id, 0)
+        transfer = KVTransfer("restore", tuple(request.block_ids[first : first + len(request.host_block_ids)]),
                               tuple(request.host_block_ids))
         request.num_computed = request.num_offloaded_tokens
         self.release(request)
@@ -57,6 +86,39 @@ class HostPages:
 
     def release(self, request: Request) -> None:
         """Forget the request's host pages (restored, cancelled or failed)."""
-        self._free.extend(request.host_block_ids)
+        self._released.extend(request.host_block_ids)
+        self._first_page.pop(request.request_id, None)
         request.host_block_ids = []
         request.num_offloaded_tokens = 0
+
+    def pulled(self, request: Request) -> bool:
+        """Its host pages came from the node pool (and go after its locally cached prefix)."""
+        return request.request_id in self._first_page
+
+    def pull(self, request: Request) -> int:
+        """After the request matched `len(block_ids)` pages in the engine's cache: the following
+        pages the node pool holds, copied into host pages now. Returns the tokens the request
+        will have once they are restored (0: none), as `offload` records it."""
+        first = len(request.block_ids)
+        wanted = min((request.num_tokens - 1) // self.page_size - first, len(self._free))  # never the last token
+        if self.node is None or wanted <= 0:
+            return 0
+        host_ids = self._free[len(self._free) - wanted :]
+        got = self.node.pull(request.tokens, first, wanted, host_ids)
+        if got == 0:
+            return 0
+        del self._free[len(self._free) - wanted : len(self._free) - wanted + got]
+        request.host_block_ids = host_ids[:got]
+        request.num_offloaded_tokens = (first + got) * self.page_size
+        self._first_page[request.request_id] = first
+        self.num_node_hit_tokens += got * self.page_size
+        return request.num_offloaded_tokens
+
+    def export(self, request: Request) -> KVTransfer | None:
+        """A preempted request's full pages, for the node pool (None: no node pool, no full page)."""
+        pages = min(request.num_computed // self.page_size, len(request.block_ids))
+        if self.node is None or pages == 0:
+            return None
+        self.num_exports += 1
+        return KVTransfer("export", tuple(request.block_ids[:pages]), (),
+                          tuple(request.tokens[: pages * self.page_size]))

@@ -84,6 +84,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.max_batch_tokens
+        if self.host_pages is not None:
+            self.host_pages.begin_step()
         batch: list[ScheduledRequest] = []
         decodes = [r for r in self.running if r.num_pending == 1 and not r.awaits_last_token]
         prefills = [r for r in self.running if r.num_pending > 1]
@@ -124,6 +126,8 @@ class Scheduler:
         transfer = self.host_pages.offload(request) if self.host_pages is not None else None
         if transfer is not None:
             self._transfers.append(transfer)
+        elif self.host_pages is not None and (export := self.host_pages.export(request)) is not None:
+            self._transfers.append(export)  # recomputed on readmission, unless the node pool still has them
         offloaded = transfer is not None
         logger.debug("preempting %s (%s)", request.request_id, "offload" if offloaded else "recompute")
         self.num_recomputes += not offloaded
@@ -131,6 +135,21 @@ class Scheduler:
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def _pull_from_node(self, request: Request) -> int:
+        """Tokens of the request the node pool holds past its local prefix match, now in host
+        pages (0: none, no node pool, or too little room to admit the whole request now: a pull
+        is a copy, not repeated while the request waits)."""
+        hp, bm = self.host_pages, self.block_manager
+        if hp is None or hp.node is None:
+            return 0
+        if bm.num_free < bm.pages_needed(request.num_tokens) - len(request.block_ids):
+            return 0
+        return hp.pull(request)
+
+    def _drop_pulled(self, request: Request) -> None:
+        if self.host_pages is not None and self.host_pages.pulled(request):
+            self.host_pages.release(request)
 
     def _admit(self, batch: list[ScheduledRequest], budget: int) -> None:
         bm = self.block_manager
@@ -150,9 +169,11 @@ class Scheduler:
                     bm.free(request)
                     i += 1
                     continue
+                restored = self._pull_from_node(request)
             computed = restored or request.num_computed
             num = min(request.num_tokens - computed, budget)
             if not bm.allocate(request, computed + num):
+                self._drop_pulled(request)
                 bm.free(request)  # release the prefix pages it matched; it stays in line
                 break
             if restored:

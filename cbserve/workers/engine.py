@@ -27,6 +27,7 @@ from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import build_step_graphs
 from cbserve.workers.generation_config import sampling_params as generation_config_sampling
+from cbserve.workers.kv import node_client
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.kv.host_pool import HostKVPool
 from cbserve.workers.model_runner import ModelRunner
@@ -120,6 +121,8 @@ class EngineCore:
         host_blocks = host_pool_size(cfg, self.cache, sizes.release_window)
         self.host_pool = HostKVPool(self.cache, host_blocks) if host_blocks else None
         host_pages = HostPages(host_blocks, cfg.page_size) if host_blocks else None
+        self.node_pool = node_client.attach(cfg.node_kv_pool, self.model, self.cache, self.host_pool, host_pages,
+                                            prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sizes.max_batch_tokens, sizes.max_requests, cfg.scheduler,
                                    cfg.resolved_safety_margin, host_pages)
 
@@ -335,6 +338,8 @@ class EngineCore:
                 self.block_manager.release_before(s.request, s.request.num_computed - self.release_window + 1)
             if not s.request.generated:
                 self.prompt_tokens_computed += s.num_query_tokens
+        if self.node_pool is not None:  # computed prompt pages, for the node's other engines
+            self.node_pool.after_step(batch)
         self.num_steps += 1
 
     def _finish(self, in_flight: InFlightStep | None) -> list[Request]:

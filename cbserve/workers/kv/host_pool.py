@@ -23,7 +23,7 @@ pool would hold stale pages, and the test fails).
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -97,6 +97,17 @@ class HostKVPool:
         self.k = [torch.empty(shape, dtype=cache.dtype, pin_memory=self.pin) for _ in range(cache.num_layers)]
         self.v = [torch.empty(shape, dtype=cache.dtype, pin_memory=self.pin) for _ in range(cache.num_layers)]
         self._staging: list[torch.Tensor] = []  # per layer, K then V: [pages, page, heads, dim]
+        self.node: Any = None  # the node pool's client (`workers/kv/node_client.py`), if any
+
+    def write_page(self, host_block: int, page: torch.Tensor) -> None:
+        """Host page `host_block` of every layer from one page's bytes ([2, layers, page_size,
+        kv_heads, head_dim] as uint8). Safe while planning a step: every transfer of the last
+        plan has completed (`execute` waits for its copies) and none of this plan has run."""
+        shape = (2, self.cache.num_layers, *self.k[0].shape[1:])
+        kv = page.view(self.cache.dtype).view(shape)
+        for layer in range(self.cache.num_layers):
+            self.k[layer][host_block] = kv[0, layer]
+            self.v[layer][host_block] = kv[1, layer]
 
     def _staged(self, n: int) -> list[torch.Tensor]:
         """Staging buffers of at least `n` pages (grown geometrically), pinned on a GPU host."""
@@ -137,5 +148,7 @@ class HostKVPool:
         for transfer in transfers:
             if transfer.kind == "offload":
                 self.offload(list(transfer.device_blocks), list(transfer.host_blocks))
-            else:
+            elif transfer.kind == "restore":
                 self.restore(list(transfer.device_blocks), list(transfer.host_blocks))
+            else:  # export: a preempted request's pages, to the node pool
+                self.node.publish(list(transfer.tokens), list(transfer.device_blocks), 0, len(transfer.device_blocks))

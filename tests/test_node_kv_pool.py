@@ -1,0 +1,243 @@
+"""The per-node KV pool (issue 18): engines of one node share KV pages through one bounded host
+pool in shared memory, keyed by prefix hash chains.
+
+- Two engines (in one process, and in two processes) and a 1,000-token system prompt: the
+  second engine pulls the prompt's pages from the pool instead of computing them; its computed
+  prompt tokens drop by as many; every output equals `generate()`'s.
+- Never a wrong page: a corrupted page, pages of another model, a pool whose owner died, all
+  read as misses (the engine recomputes, outputs unchanged).
+- The pool itself: least recently used replacement, slots a dead writer left half written are
+  reclaimed, token and checksum verification.
+- A request preempted without room in the engine's host pool leaves its pages to the pool and
+  pulls them back on readmission.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import cbserve
+from cbserve.workers.engine import EngineCore
+from cbserve.workers.kv import node_pool
+from cbserve.workers.kv.node_pool import NodeKVPool, chain_keys
+from tests.tiny_models import random_prompts, reference_generate, tiny_model
+
+PAGE = 16
+SYSTEM = 1000
+MAX_NEW = 8
+
+
+@pytest.fixture
+def pool_name():
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    owner = NodeKVPool.create(name, 8 << 20)
+    yield name
+    owner.close()
+    assert not node_pool.pool_path(name).exists()
+
+
+def config(name: str | None, **overrides) -> cbserve.ContinuousBatchingConfig:
+    cfg = {"page_size": PAGE, "num_blocks": 160, "max_batch_tokens": 256, "return_logprobs": True,
+           "cpu_offload_space": 0.002, "node_kv_pool": name}
+    cfg.update(overrides)
+    return cbserve.ContinuousBatchingConfig(**cfg)
+
+
+def prompts() -> list[list[int]]:
+    system = random_prompts([SYSTEM], seed=11)[0]
+    return [system + tail for tail in random_prompts([9, 5], seed=12)]
+
+
+def run(model, prompt: list[int], cfg) -> tuple[list[int], list[float], EngineCore]:
+    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    engine = EngineCore(model, gc, cfg)
+    try:
+        request = engine.make_request(prompt, "req")
+        engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    return request.generated, request.logprobs, engine
+
+
+def assert_reference(model, prompt, tokens, logprobs) -> None:
+    ref_tokens, ref_logprobs = reference_generate(model, prompt, MAX_NEW)
+    assert tokens == ref_tokens
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-6)
+
+
+def test_second_engine_pulls_the_shared_system_prompt(pool_name: str) -> None:
+    model = tiny_model("llama")
+    a, b = prompts()
+    tokens_a, logprobs_a, engine_a = run(model, a, config(pool_name))
+    assert engine_a.stats()["prompt_tokens_computed"] == len(a)
+    assert engine_a.node_pool.num_published == len(a) // PAGE
+    tokens_b, logprobs_b, engine_b = run(model, b, config(pool_name))
+    shared = SYSTEM // PAGE * PAGE  # the full pages of the system prompt: 992 tokens
+    assert engine_b.scheduler.host_pages.num_node_hit_tokens == shared
+    assert engine_b.stats()["prompt_tokens_computed"] == len(b) - shared
+    assert_reference(model, a, tokens_a, logprobs_a)
+    assert_reference(model, b, tokens_b, logprobs_b)
+    # Without the pool, the second engine computes the whole prompt.
+    _, _, alone = run(model, b, config(None))
+    assert alone.stats()["prompt_tokens_computed"] == len(b)
+
+
+def _engine_in_another_process(name: str, prompt: list[int], queue) -> None:
+    try:
+        tokens, logprobs, engine = run(tiny_model("llama"), prompt, config(name))
+        queue.put((tokens, logprobs, engine.stats()["prompt_tokens_computed"],
+                   engine.scheduler.host_pages.num_node_hit_tokens))
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        queue.put(repr(error))
+
+
+def test_engines_in_two_processes_share_the_pool(pool_name: str) -> None:
+    model = tiny_model("llama")
+    a, b = prompts()
+    run(model, a, config(pool_name))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_engine_in_another_process, args=(pool_name, b, queue))
+    proc.start()
+    result = queue.get(timeout=120)
+    proc.join(30)
+    assert not isinstance(result, str), result
+    tokens, logprobs, computed, hits = result
+    assert hits == SYSTEM // PAGE * PAGE and computed == len(b) - hits
+    assert_reference(model, b, tokens, logprobs)
+
+
+def test_a_corrupted_page_is_a_miss(pool_name: str) -> None:
+    model = tiny_model("llama")
+    a, b = prompts()
+    run(model, a, config(pool_name))
+    pool = NodeKVPool.attach(pool_name)
+    salt = pool.header[node_pool.H_FINGERPRINT].item()
+    keys = chain_keys(a, PAGE, 10, salt)
+    slot = int(((pool.meta[:, node_pool.KEY] == keys[9]) & (pool.meta[:, node_pool.PARENT] == keys[8])).nonzero()[0, 0])
+    pool.data[slot, 100] ^= 0xFF  # one flipped byte in page 9
+    tokens, logprobs, engine = run(model, b, config(pool_name))
+    assert engine.scheduler.host_pages.num_node_hit_tokens == 9 * PAGE  # pages 0-8, then the miss
+    assert engine.stats()["prompt_tokens_computed"] == len(b) - 9 * PAGE
+    assert_reference(model, b, tokens, logprobs)
+    pool.detach()
+
+
+def test_another_models_pages_are_never_used(pool_name: str) -> None:
+    a, b = prompts()
+    run(tiny_model("llama"), a, config(pool_name))
+    other = tiny_model("llama", seed=1)  # same shapes, other weights
+    tokens, logprobs, engine = run(other, b, config(pool_name))
+    assert engine.node_pool is None  # the pool is formatted for the first model's pages
+    assert engine.stats()["prompt_tokens_computed"] == len(b)
+    assert_reference(other, b, tokens, logprobs)
+
+
+def _own_a_pool(name: str, ready) -> None:
+    NodeKVPool.create(name, 8 << 20)
+    ready.set()
+    signal.pause()
+
+
+def test_a_dead_owner_means_misses() -> None:
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    owner = ctx.Process(target=_own_a_pool, args=(name, ready))
+    owner.start()
+    try:
+        assert ready.wait(60)
+        model = tiny_model("llama")
+        a, b = prompts()
+        _, _, engine_a = run(model, a, config(name))
+        assert engine_a.node_pool.num_published > 0
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(30)
+        tokens, logprobs, engine_b = run(model, b, config(name))
+        assert engine_b.scheduler.host_pages.num_node_hit_tokens == 0
+        assert engine_b.stats()["prompt_tokens_computed"] == len(b)
+        assert_reference(model, b, tokens, logprobs)
+        # A new owner replaces the dead one's file.
+        NodeKVPool.create(name, 1 << 20).close()
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        node_pool.pool_path(name).unlink(missing_ok=True)
+
+
+def test_preempted_pages_go_to_the_pool(pool_name: str) -> None:
+    """A cache too small for the batch and a host pool of two pages: preempted requests leave
+    their full pages (prompt and generated tokens) to the node pool; an engine given one of those
+    requests' tokens as its prompt pulls them, and still generates what `generate()` does."""
+    model = tiny_model("qwen3")
+    prompt_list = random_prompts([1, 7, 33, 64, 100, 150, 300])
+    cfg = config(pool_name, num_blocks=24, max_batch_tokens=64,
+                 cpu_offload_space=2 * PAGE * 2 * 2 * 16 * 2 * 8 / 2**30)  # two pages: mostly no room
+    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
+    engine = EngineCore(model, gc, cfg)
+    exported: list[list[int]] = []
+    execute = engine.host_pool.execute
+    engine.host_pool.execute = lambda transfers: (
+        exported.extend(list(t.tokens) for t in transfers if t.kind == "export"), execute(transfers))
+    try:
+        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompt_list)]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    hp = engine.scheduler.host_pages
+    assert hp.num_exports > 0 and hp.num_free == hp.num_blocks
+    for request, prompt in zip(requests, prompt_list):
+        ref_tokens, ref_logprobs = reference_generate(model, prompt, 10)
+        assert request.generated == ref_tokens, request.request_id
+        assert request.logprobs == pytest.approx(ref_logprobs, abs=1e-6)
+    longest = max(exported, key=len)  # whole pages of some request's prompt and generated tokens
+    tokens, logprobs, reader = run(model, longest + [5], config(pool_name))
+    assert reader.scheduler.host_pages.num_node_hit_tokens == len(longest)
+    assert_reference(model, longest + [5], tokens, logprobs)
+
+
+def test_pool_replacement_and_verification(tmp_path) -> None:
+    capacity = node_pool.HEADER_SLOTS * 8 + node_pool.ALIGN + 3 * (node_pool.FIELDS * 8 + 4 * 4 + 64)
+    pool = NodeKVPool.create("unit", capacity, directory=tmp_path)
+    assert pool.format(4, 64, 77)
+    assert pool.num_slots == 3
+    assert not pool.format(4, 64, 78)  # other pages: refused
+    pages = {k: torch.full((64,), k, dtype=torch.uint8) for k in range(1, 5)}
+    for k in (1, 2, 3):
+        assert pool.store(k, 0, [k] * 4, pages[k])
+    assert not pool.store(1, 0, [1] * 4, pages[1])  # held already
+    assert torch.equal(pool.fetch(1, 0, [1] * 4), pages[1])  # page 1 is now the most recently used
+    assert pool.fetch(1, 0, [1, 1, 1, 2]) is None  # other tokens
+    assert pool.fetch(1, 5, [1] * 4) is None  # other parent
+    assert pool.store(4, 0, [4] * 4, pages[4])  # replaces the least recently used: 2
+    assert pool.fetch(2, 0, [2] * 4) is None and pool.fetch(3, 0, [3] * 4) is not None
+    # A slot a dead writer left half written is taken before any page that is READY.
+    slot = int((pool.meta[:, node_pool.KEY] == 1).nonzero()[0, 0])
+    pool.meta[slot, node_pool.STATE], pool.meta[slot, node_pool.WRITER] = node_pool.WRITING, 2**22 + 12345
+    assert pool.store(5, 0, [5] * 4, torch.zeros(64, dtype=torch.uint8))
+    assert pool.fetch(3, 0, [3] * 4) is not None and pool.fetch(4, 0, [4] * 4) is not None
+    assert pool.stats() == {"slots": 3, "ready": 3}
+    pool.close()
+
+
+def test_config_refuses_a_node_pool_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="node_kv_pool needs cpu_offload_space"):
+        cbserve.ContinuousBatchingConfig(node_kv_pool="x")
+    with pytest.raises(ValueError, match="node_kv_pool works with tp_size=1 only"):
+        cbserve.ContinuousBatchingConfig(node_kv_pool="x", cpu_offload_space=1.0, tp_size=2)
+    with pytest.raises(ValueError, match="node_kv_pool"):
+        cbserve.ContinuousBatchingConfig(node_kv_pool="", cpu_offload_space=1.0)
+    with pytest.raises(FileNotFoundError, match="no node KV pool named 'absent-pool'"):
+        run(tiny_model("llama"), [1, 2, 3], config("absent-pool"))
