@@ -293,9 +293,12 @@ def test_service_chat_stream_equals_non_stream(service: OpenAIService) -> None:
         (CompletionRequest(model="nope", prompt="hi"), 404, "model"),
         (CompletionRequest(model="tiny", prompt="hi", max_tokens=65), 400, "max_tokens"),
         (CompletionRequest(model="tiny", prompt="hi", n=5), 400, "n"),
-        (CompletionRequest(model="tiny", prompt="hi", logprobs=3), 400, "logprobs"),
-        (CompletionRequest(model="tiny", prompt="hi", echo=True), 400, "echo"),
-        (CompletionRequest(model="tiny", prompt="hi", presence_penalty=0.5), 400, "presence_penalty"),
+        (CompletionRequest(model="tiny", prompt="hi", suffix="!"), 400, "suffix"),
+        (CompletionRequest(model="tiny", prompt="hi", best_of=2), 400, "best_of"),
+        (CompletionRequest(model="tiny", prompt="hi", max_tokens=0), 400, "max_tokens"),
+        (CompletionRequest(model="tiny", prompt="hi", logit_bias={"x": 1.0}), 400, "logit_bias"),
+        (CompletionRequest(model="tiny", prompt="hi", logit_bias={"3": 101.0}), 400, "logit_bias"),
+        (CompletionRequest(model="tiny", prompt="hi", stop_token_ids=[10**6]), 400, "stop_token_ids"),
         (CompletionRequest(model="tiny", prompt=[1, 10**6]), 400, "prompt"),
     ],
 )
@@ -330,7 +333,7 @@ def test_service_metrics_count_tokens_and_latency(manager: Any, tokenizer: Any, 
 
 
 def test_schemas_refuse_out_of_range_fields() -> None:
-    for bad in ({"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1},
+    for bad in ({"max_tokens": -1}, {"temperature": -0.5}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
                 {"n": 0}, {"stop": [""]}, {"prompt": []}):
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "p", **bad})

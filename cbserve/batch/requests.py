@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from cbserve.batch.schema import BatchLine, ResultLine, Usage
+from cbserve.batch.schema import BatchLine, ResultLine, TopToken, Usage
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.constraints import requested
 from cbserve.serving.errors import front_message
-from cbserve.serving.protocol import WorkerEvent, WorkerRequest
+from cbserve.serving.protocol import PromptInfo, SamplingOptions, TopEntry, WorkerEvent, WorkerRequest
 from cbserve.serving.replies import ChoiceResult
-from cbserve.serving.requests import routing_hashes, worker_request
+from cbserve.serving.requests import logit_bias, routing_hashes, worker_request
 from cbserve.serving.settings import GenerationDefaults, RoutingConfig
 
 
@@ -56,8 +58,40 @@ def to_worker_request(
         top_k=line.top_k,
         seed=line.seed,
         stop=line.stop_list(),
+        logprobs=line.logprobs,
+        top_logprobs=line.top_logprobs or 0,
+        prompt_logprobs=line.prompt_logprobs,
+        options=_options(line),
+        constraint=requested(line),
         **prompt,  # type: ignore[arg-type]
     )
+
+
+def _options(line: BatchLine) -> SamplingOptions:
+    return SamplingOptions(
+        min_p=line.min_p, repetition_penalty=line.repetition_penalty, presence_penalty=line.presence_penalty,
+        frequency_penalty=line.frequency_penalty, logit_bias=logit_bias(line.logit_bias), min_tokens=line.min_tokens,
+        ignore_eos=line.ignore_eos or None, stop_token_ids=line.stop_token_ids,
+    )
+
+
+def _tops(entries: list[list[TopEntry]]) -> list[list[TopToken]]:
+    return [[TopToken(token_id=t, token=text, logprob=lp) for t, text, lp in row] for row in entries]
+
+
+def _logprob_fields(line: BatchLine, result: ChoiceResult) -> dict[str, Any]:
+    """The record's logprob fields, those the line asked for."""
+    out: dict[str, Any] = {}
+    if line.logprobs:
+        out["logprobs"] = result.logprobs
+        if line.top_logprobs:
+            out["top_logprobs"] = _tops(result.top_logprobs)
+    prompt: PromptInfo | None = result.prompt
+    if line.prompt_logprobs is not None and prompt is not None:
+        out["prompt_logprobs"] = prompt.logprobs
+        if line.prompt_logprobs:
+            out["prompt_top_logprobs"] = _tops(prompt.top_logprobs or [])
+    return out
 
 
 def line_field(field_name: str, line: BatchLine) -> str:
@@ -96,4 +130,5 @@ def to_result(line: BatchLine, lineno: int, result: ChoiceResult) -> ResultLine:
             total_tokens=result.prompt_tokens + result.completion_tokens,
         ),
         metadata=line.metadata,
+        **_logprob_fields(line, result),
     )

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cbserve.serving.schemas import MAX_LOGPROBS, StructuredFields
+
 ErrorType = Literal["invalid_json", "invalid_line", "duplicate_id", "invalid_request", "engine_error"]
 # Errors that say nothing about the line itself: a rerun with the same output tries the line again.
 RETRYABLE_ERRORS: frozenset[str] = frozenset({"engine_error"})
@@ -29,10 +31,12 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class BatchLine(BaseModel):
+class BatchLine(StructuredFields):
     """One valid input line. Its types and ranges are the documented line format, refused as an
     `invalid_line` before the job starts an engine; what only the engine can judge (token ids in
-    its vocabulary, max_tokens against the context) comes back from it as `invalid_request`."""
+    its vocabulary, max_tokens against the context, logit_bias values, a schema that does not
+    compile) comes back from it as `invalid_request`. Structured outputs: `response_format`,
+    `structured_outputs` or vLLM's `guided_*` fields, as in the HTTP API."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -47,6 +51,17 @@ class BatchLine(BaseModel):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    logprobs: bool = Field(False, description="each output token's log-probability in the record")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's, and k top")
     metadata: dict[str, Any] | None = Field(None, description="copied to the output line as is")
 
     @field_validator("id", mode="before")
@@ -75,10 +90,18 @@ class BatchLine(BaseModel):
             )
         if self.raw and self.prompt is None:
             raise ValueError("raw: only applies to `prompt`")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
         return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class TopToken(BaseModel):
+    token_id: int
+    token: str
+    logprob: float
 
 
 class Usage(BaseModel):
@@ -96,6 +119,10 @@ class ResultLine(BaseModel):
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopToken]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[TopToken]] | None = None
     error: str | None = None
     error_type: ErrorType | None = None
     metadata: dict[str, Any] | None = None

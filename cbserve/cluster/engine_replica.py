@@ -22,6 +22,9 @@ from ray.serve.handle import DeploymentHandle
 from cbserve.cluster.offload import offload_share_gib
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
+from cbserve.errors import InvalidRequestError
+from cbserve.serving import tokenization
+from cbserve.serving.constraints import Grammars
 from cbserve.serving.generation import ModelInfo, run_request
 from cbserve.serving.metrics import kv_usage
 from cbserve.serving.protocol import WorkerEvent, WorkerRequest
@@ -100,12 +103,30 @@ class EngineReplica:
             eos_token_id=eos,
             max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
             default_max_tokens=self.args.generation.max_tokens,
+            grammars=Grammars(self.tokenizer, int(model.config.vocab_size), eos),
         )
+        self.vocab_size = int(model.config.vocab_size)
         logger.info("engine replica %s ready: %s", self.replica, self.args.model_name)
 
     async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
         async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica):
             yield ev
+
+    def tokenize(self, work: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /tokenize (`serving/tokenization.py`); a refusal as {"error": {field, message}}."""
+        try:
+            return tokenization.tokenize(self.tokenizer, self.info.max_context, work).model_dump()
+        except InvalidRequestError as exc:
+            return {"error": {"field": exc.field, "message": exc.message}}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        try:
+            return tokenization.detokenize(self.tokenizer, self.vocab_size, tokens).model_dump()
+        except InvalidRequestError as exc:
+            return {"error": {"field": exc.field, "message": exc.message}}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return tokenization.tokenizer_info(self.tokenizer, self.info.max_context)
 
     def describe(self) -> dict[str, Any]:
         """What a client of the deployment may need to know before sending requests."""

@@ -1,7 +1,8 @@
 """The ingress deployment: the OpenAI HTTP API (FastAPI) and the gRPC `Generate` call.
 
 HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`. Every refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
+`GET /metrics`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Every
+refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 `cbserve/serving/protos/generate.proto`, reached through Serve's gRPC proxy, which calls the
 method of the same name here. The protocol itself (bodies, choices, replies) is in
 `cbserve.serving`; this module adds Ray: the handle to the engine replicas and its failures.
@@ -28,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cbserve.cluster.ray_compat import backpressure, serve_http_host
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
-from cbserve.serving import grpc_service
-from cbserve.serving.errors import APIError, refusal
+from cbserve.serving import grpc_service, tokenization
+from cbserve.serving.errors import APIError, openai_error, refusal
 from cbserve.serving.json_body import parse_request
 from cbserve.serving.metrics import ServingMetrics
 from cbserve.serving.openai_service import OpenAIService, Reply
@@ -130,7 +131,7 @@ class OpenAIIngress:
             _cancel_quietly(gen)
             raise _open_error(exc) from exc
         if first.kind == "error":
-            raise refusal(first)
+            raise refusal(first, self.args.worker.overload_status_code, self.args.worker.retry_after_s)
         return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
 
     def _authorized(self, presented: str | None) -> bool:
@@ -190,6 +191,41 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, self.service.chat)
+
+    async def _on_replica(self, request: Request, call: Any) -> Response:
+        """A tokenizer route: `call(body)` parses the body and returns a replica call's result."""
+        try:
+            self._check_auth(request)
+            result = await call(await self._read_body(request) if request.method == "POST" else b"")
+        except APIError as exc:
+            return self._error(exc)
+        except InvalidRequestError as exc:
+            return self._error(openai_error(exc, "prompt"))
+        except Exception as exc:  # noqa: BLE001 - no replica answered
+            return self._error(_open_error(exc))
+        if "error" in result and isinstance(result["error"], dict):
+            return self._error(openai_error(InvalidRequestError(**result["error"]), "prompt"))
+        return JSONResponse(result)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        async def call(body: bytes) -> Any:
+            req = tokenization.parse_tokenize(body)
+            self.service.check_model(req.model)
+            return await self._replicas.tokenize.remote(tokenization.tokenize_work(req))
+        return await self._on_replica(request, call)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        async def call(body: bytes) -> Any:
+            req = parse_request(body, tokenization.DetokenizeRequest)
+            self.service.check_model(req.model)
+            return await self._replicas.detokenize.remote(req.tokens)
+        return await self._on_replica(request, call)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> Response:
+        return await self._on_replica(request, lambda _: self._replicas.tokenizer_info.remote())
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

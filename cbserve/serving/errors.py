@@ -33,6 +33,7 @@ _OPENAI_PARAMS: dict[str, str | None] = {"max_new_tokens": "max_tokens", "reques
 
 ABORTED = "the request was cancelled by the server (a worker is shutting down); retry it"
 CUT_SHORT = "the worker stopped before the request finished; retry it"
+OVERLOADED = "overloaded"  # the code of an overload refusal (HTTP 503 or 429 + Retry-After)
 
 
 class APIError(Exception):
@@ -75,8 +76,13 @@ def error_event(status: int, message: str, field: str | None = None) -> WorkerEv
     return WorkerEvent(kind="error", status=status, message=message, field=field)
 
 
-def refusal(ev: WorkerEvent) -> InvalidRequestError | APIError:
-    """An `error` event as the exception a front maps: the typed refusal when it names a field."""
+def refusal(ev: WorkerEvent, overload_status: int = 503,
+            retry_after_s: float = 1.0) -> InvalidRequestError | APIError:
+    """An `error` event as the exception a front maps: the typed refusal when it names a field;
+    an overloaded engine (its waiting queue full) as the deployment's overload answer, with
+    Retry-After, as when every replica is busy (gRPC: RESOURCE_EXHAUSTED)."""
     if ev.field is not None:
         return InvalidRequestError(ev.field, ev.message)
-    return APIError(ev.status or 500, ev.message)
+    if ev.code == OVERLOADED:
+        return APIError(overload_status, ev.message, code=OVERLOADED, retry_after_s=retry_after_s)
+    return APIError(ev.status or 500, ev.message, code=ev.code)

@@ -8,15 +8,17 @@ one `error` event carrying the `InvalidRequestError`'s field.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cbserve.errors import InvalidRequestError
+from cbserve.errors import InvalidRequestError, QueueFullError
+from cbserve.serving.chat_template import chat_token_ids
 from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbserve.serving.errors import error_event
-from cbserve.serving.protocol import WorkerEvent, WorkerRequest
+from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ class ModelInfo:
     eos_token_id: int | list[int] | None
     max_context: int
     default_max_tokens: int
+    grammars: Any = None  # a `constraints.Grammars` for the model: structured outputs (None: refused)
 
 
 def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
@@ -37,17 +40,7 @@ def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
         return list(req.prompt_ids)
     if req.prompt is not None:
         return list(tokenizer(req.prompt).input_ids)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("messages", "messages: this model has no chat template; use /v1/completions")
-    try:
-        ids = tokenizer.apply_chat_template(
-            req.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    except Exception as exc:  # jinja errors for roles the template refuses, etc.
-        raise InvalidRequestError("messages", f"messages: the chat template refused them: {exc}") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return chat_token_ids(tokenizer, req.messages or [], req.tools)
 
 
 def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
@@ -58,6 +51,8 @@ def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
     too long, would blame max_new_tokens). Whether an explicit max_tokens fits is the engine's rule.
     """
     room = info.max_context - prompt_len
+    if req.max_tokens == 0:  # echo / prompt logprobs only: one step is run, its token dropped
+        return 1
     if room <= 0:
         raise InvalidRequestError(
             "input_ids",
@@ -67,9 +62,11 @@ def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
     return min(info.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
 
 
-def submit(manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest) -> tuple[int, str]:
-    """Queue the request in the manager; returns (prompt tokens, request id). Raises
-    InvalidRequestError for a refused request, RuntimeError when the manager is stopping."""
+def submit(manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
+           grammar: Any = None) -> tuple[list[int], str]:
+    """Queue the request in the manager; returns (prompt token ids, request id). Raises
+    InvalidRequestError for a refused request, QueueFullError when the engine's waiting queue is
+    full, RuntimeError when the manager is stopping."""
     prompt_ids = tokenize(tokenizer, req)
     rid = manager.add_request(
         prompt_ids,
@@ -81,17 +78,49 @@ def submit(manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest) ->
         top_k=req.top_k,  # explicit: the generation config's defaults must not apply
         top_p=req.top_p,
         seed=req.seed,
+        top_logprobs=req.top_logprobs or None,
+        prompt_logprobs=req.prompt_logprobs,
+        grammar=grammar,
+        **req.options.engine_kwargs(),
     )
-    return len(prompt_ids), rid
+    return prompt_ids, rid
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text of one token on its own (for logprobs); may contain U+FFFD."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(tokenizer: Any, pairs: list[tuple[int, float]]) -> list[TopEntry]:
+    return [(t, token_text(tokenizer, t), lp) for t, lp in pairs]
+
+
+def prompt_info(tokenizer: Any, req: WorkerRequest, prompt_ids: list[int], out: Any) -> PromptInfo:
+    """What the request asked to get back of its prompt (`echo`, `prompt_logprobs`)."""
+    info = PromptInfo(token_ids=list(prompt_ids), token_texts=[token_text(tokenizer, t) for t in prompt_ids])
+    if req.echo:
+        info.text = req.prompt if req.prompt is not None else tokenizer.decode(
+            prompt_ids, skip_special_tokens=req.skip_special_tokens)
+    if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        info.logprobs = list(out.prompt_logprobs)
+        info.top_logprobs = [top_entries(tokenizer, pairs) for pairs in out.prompt_top_logprobs or []]
+    return info
 
 
 class _Decoder:
     """The text of one request's outputs: detokenized incrementally, cut at its stop strings."""
 
-    def __init__(self, tokenizer: Any, req: WorkerRequest):
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Any, req: WorkerRequest, prompt_ids: list[int] | None = None):
+        self._tokenizer = tokenizer
+        self._req = req
+        self._detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens)
         self._stops = StopStringMatcher(req.stop)
         self._logprobs = req.logprobs
+        self.keeps_tokens = req.max_tokens != 0  # max_tokens 0: the one token run is dropped
+        # The prompt goes back on the first delta, when asked for (echo, prompt logprobs).
+        wants_prompt = prompt_ids is not None and (req.echo or req.prompt_logprobs is not None)
+        self._prompt_ids = prompt_ids if wants_prompt else None
 
     @property
     def stopped(self) -> bool:
@@ -101,21 +130,36 @@ class _Decoder:
     def num_tokens(self) -> int:
         return len(self._detok.ids)
 
+    def _prompt(self, out: Any) -> PromptInfo | None:
+        """The prompt's info, once: when the prefill has given its logprobs (if asked)."""
+        if self._prompt_ids is None:
+            return None
+        if self._req.prompt_logprobs is not None and not out.new_tokens and not out.is_finished():
+            return None  # still prefilling
+        info, self._prompt_ids = prompt_info(self._tokenizer, self._req, self._prompt_ids, out), None
+        return info
+
     def delta(self, out: Any) -> WorkerEvent | None:
-        """The `delta` event of one output (None when it adds neither tokens nor text)."""
-        new = list(out.new_tokens)
+        """The `delta` event of one output (None when it adds neither tokens, text nor prompt)."""
+        prompt = self._prompt(out)
+        new = list(out.new_tokens) if self.keeps_tokens else []
         text = self._stops.feed(self._detok.step(new)) if new else ""
         if out.is_finished() and not self._stops.stopped:
             text += self._stops.feed(self._detok.flush())
             text += self._stops.flush()
-        if not (new or text):
+        if not (new or text or prompt):
             return None
+        top = None
+        if self._logprobs and self._req.top_logprobs and new:
+            top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(new):]]
         return WorkerEvent(
             kind="delta",
             text=text,
             token_ids=new,
-            logprobs=list(out.new_logprobs or []) if self._logprobs else None,
-            token_texts=[self._detok.token_text(t) for t in new] if self._logprobs else None,
+            logprobs=list(out.new_logprobs or [])[: len(new)] if self._logprobs else None,
+            token_texts=[token_text(self._tokenizer, t) for t in new] if self._logprobs else None,
+            top_logprobs=top,
+            prompt=prompt,
         )
 
 
@@ -127,6 +171,8 @@ def _last_event(out: Any, decoder: _Decoder) -> WorkerEvent:
         return error_event(500, f"generation failed: {out.error or 'engine error'}")
     if status == "cancelled":
         return WorkerEvent(kind="end", finish_reason="abort", completion_tokens=decoder.num_tokens)
+    if not decoder.keeps_tokens:
+        return WorkerEvent(kind="end", finish_reason="length", completion_tokens=0)
     reason = getattr(out.finish_reason, "value", out.finish_reason)
     return WorkerEvent(kind="end", finish_reason="length" if reason == "length" else "stop",
                        completion_tokens=len(out.generated_tokens))
@@ -176,13 +222,27 @@ async def run_request(
     cancelled in the engine, which frees its KV pages.
     """
     try:
-        prompt_tokens, rid = submit(manager, tokenizer, info, req)
+        grammar = await _grammar(info, req)
+        prompt_ids, rid = submit(manager, tokenizer, info, req, grammar)
     except InvalidRequestError as exc:
         yield error_event(400, exc.message, exc.field)
+        return
+    except QueueFullError as exc:  # an overload: the front answers 503 + Retry-After
+        yield WorkerEvent(kind="error", status=503, message=f"The server is overloaded: {exc}", code="overloaded")
         return
     except RuntimeError as exc:  # the manager is stopping (replica draining or shutting down)
         yield error_event(503, f"this worker is not accepting requests: {exc}")
         return
-    yield WorkerEvent(kind="start", replica=replica, prompt_tokens=prompt_tokens)
-    async for ev in _stream(manager, rid, _Decoder(tokenizer, req)):
+    yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids))
+    async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids)):
         yield ev
+
+
+async def _grammar(info: ModelInfo, req: WorkerRequest) -> Any:
+    """The request's compiled constraint (in a worker thread), or None."""
+    if req.constraint is None:
+        return None
+    if info.grammars is None:
+        raise InvalidRequestError(req.constraint.field, f"{req.constraint.field}: structured outputs are not "
+                                  "available on this worker")
+    return await info.grammars.compile(req.constraint)

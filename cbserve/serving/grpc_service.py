@@ -11,7 +11,7 @@ import grpc
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.errors import APIError, front_message
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import Constraint, SamplingOptions, TopEntry, WorkerRequest
 from cbserve.serving.replies import ChoiceResult, ChoiceStream, Piece, pieces
 from cbserve.serving.requests import check_limits, routing_hashes, worker_request
 
@@ -25,7 +25,9 @@ _STATUS = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
+_OPTIONS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "logit_bias", "ignore_eos",
+             "stop_token_ids", "top_logprobs", "prompt_logprobs", *_OPTIONS}
 
 
 class GrpcAbort(Exception):
@@ -123,8 +125,30 @@ def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
         seed=s.seed if s.HasField("seed") else None,
         stop=list(s.stop),
         logprobs=s.logprobs,
+        options=_options(s),
+        constraint=_constraint(msg),
+        top_logprobs=s.top_logprobs,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         **prompt,
     )
+
+
+def _options(s: Any) -> SamplingOptions:
+    fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONS if s.HasField(name)}
+    return SamplingOptions(logit_bias=dict(s.logit_bias) or None, ignore_eos=s.ignore_eos or None,
+                           stop_token_ids=list(s.stop_token_ids) or None, **fields)
+
+
+def _constraint(msg: Any) -> Constraint | None:
+    if not msg.HasField("constraint"):
+        return None
+    kind = msg.constraint.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("constraint", "constraint: set one of json_schema, json_object, regex, choice, "
+                                  "grammar")
+    value = getattr(msg.constraint, kind)
+    spec = list(value.choices) if kind == "choice" else None if kind == "json_object" else value
+    return Constraint(kind=kind, spec=spec, field=f"constraint.{kind}")
 
 
 def start_message(result: ChoiceResult) -> Any:
@@ -140,7 +164,20 @@ def piece_message(piece: Piece) -> Any:
     if piece.finish_reason is not None:
         return generate_pb2.GenerateResponse(finish_reason=piece.finish_reason,
                                              completion_tokens=piece.completion_tokens)
-    return generate_pb2.GenerateResponse(token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs)
+    prompt = piece.prompt
+    return generate_pb2.GenerateResponse(
+        token_ids=piece.token_ids, text=piece.text, logprobs=piece.logprobs,
+        top_logprobs=[_top(entries) for entries in piece.top_logprobs],
+        prompt_logprobs=[float("nan") if v is None else v for v in (prompt.logprobs or [])] if prompt else [],
+        prompt_top_logprobs=[_top(entries) for entries in (prompt.top_logprobs or [])] if prompt else [],
+    )
+
+
+def _top(entries: list[TopEntry]) -> Any:
+    from cbserve.serving.protos import generate_pb2
+
+    return generate_pb2.TopLogprobs(token_ids=[t for t, _, _ in entries], tokens=[text for _, text, _ in entries],
+                                    logprobs=[lp for _, _, lp in entries])
 
 
 async def replies(stream: ChoiceStream, timer: Any, grpc_context: Any) -> AsyncIterator[Any]:

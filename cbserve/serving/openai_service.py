@@ -17,22 +17,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.chat_replies import ChatRendering
+from cbserve.serving.chat_template import template_messages
+from cbserve.serving.constraints import requested, tool_choice_mode, tool_constraint
 from cbserve.serving.errors import APIError, openai_error
 from cbserve.serving.metrics import ServingMetrics
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import Constraint, SamplingOptions, WorkerRequest
 from cbserve.serving.replies import (
     ChoiceResult,
     ChoiceStream,
     Piece,
-    chat_choice,
-    chat_chunk_choice,
     completion_choice,
     completion_chunk_choice,
     pieces,
+    prompt_logprobs,
     usage,
     worker_failure,
 )
-from cbserve.serving.requests import check_limits, routing_hashes, worker_request
+from cbserve.serving.requests import check_limits, logit_bias, routing_hashes, worker_request
 from cbserve.serving.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -129,49 +131,83 @@ class OpenAIService:
     def _check_common(self, req: SamplingFields, max_tokens: int | None, num_prompts: int) -> None:
         self.check_model(req.model)
         check_limits(self.args.limits, max_tokens, req.n, num_prompts, req.stop_list())
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise InvalidRequestError(name, f"{name} is not supported by this server; leave it at 0")
+
+    @staticmethod
+    def _options(req: SamplingFields) -> SamplingOptions:
+        return SamplingOptions(
+            min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias),
+            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids,
+        )
 
     def _worker_request(self, req: SamplingFields, rid: str, choice: int, max_tokens: int | None,
-                        logprobs: bool, hashes: list[int], **prompt: Any) -> WorkerRequest:
+                        hashes: list[int], fields: dict[str, Any]) -> WorkerRequest:
+        """One choice; `fields`: its prompt and the request's other worker fields."""
         return worker_request(
             rid, self.args.generation, hashes, max_tokens=max_tokens, temperature=req.temperature,
-            top_p=req.top_p, top_k=req.top_k, seed=None if req.seed is None else req.seed + choice,
-            stop=req.stop_list(), logprobs=logprobs, **prompt,
+            top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0),
+            seed=None if req.seed is None else req.seed + choice, stop=req.stop_list(),
+            skip_special_tokens=req.skip_special_tokens, **fields,
         )
 
     def completion_requests(self, req: CompletionRequest, rid: str) -> list[WorkerRequest]:
         prompts = req.prompts()
         self._check_common(req, req.max_tokens, len(prompts))
-        for name, bad in (("echo", req.echo), ("suffix", req.suffix), ("best_of", (req.best_of or 1) > 1)):
+        for name, bad in (("suffix", req.suffix is not None), ("best_of", (req.best_of or 1) > 1)):
             if bad:
                 raise InvalidRequestError(name, f"{name} is not supported by this server")
-        if (req.logprobs or 0) > 1:
-            raise InvalidRequestError("logprobs", "logprobs must be 0 or 1: only the sampled token's logprob "
-                                      "is available")
+        echo_k = req.logprobs if req.echo else None
+        wanted = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
+        fields: dict[str, Any] = {
+            "options": self._options(req), "constraint": requested(req), "logprobs": req.logprobs is not None,
+            "top_logprobs": req.logprobs or 0, "echo": req.echo, "prompt_logprobs": max(wanted) if wanted else None}
         out = []
         for p_idx, prompt in enumerate(prompts):
             form = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
             hashes = routing_hashes(self.args.routing, prompt)
-            out += [self._worker_request(req, f"{rid}-{p_idx}-{c}", c, req.max_tokens, req.logprobs is not None,
-                                         hashes, **form) for c in range(req.n)]
+            out += [self._worker_request(req, f"{rid}-{p_idx}-{c}", c, req.max_tokens, hashes, {**fields, **form})
+                    for c in range(req.n)]
         return out
 
-    def chat_requests(self, req: ChatCompletionRequest, rid: str) -> list[WorkerRequest]:
+    def _chat_constraint(self, req: ChatCompletionRequest, mode: str) -> Constraint | None:
+        constraint, forced = requested(req), tool_constraint(req, mode)
+        if constraint is not None and forced is not None:
+            raise InvalidRequestError(constraint.field, f"{constraint.field}: not with tool_choice {mode!r} (which "
+                                      "constrains the output to the tool call)")
+        return forced or constraint
+
+    def chat_requests(self, req: ChatCompletionRequest, rid: str, mode: str = "none") -> list[WorkerRequest]:
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_common(req, max_tokens, 1)
-        if (req.top_logprobs or 0) > 1:
-            raise InvalidRequestError("top_logprobs", "top_logprobs must be 0 or 1: only the sampled token's "
-                                      "logprob is available")
-        messages = req.template_messages()
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs", "top_logprobs: needs logprobs: true")
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with stream on chat completions")
+        messages = template_messages(req.messages)
         hashes = routing_hashes(self.args.routing, messages=messages)
-        return [self._worker_request(req, f"{rid}-{c}", c, max_tokens, req.logprobs, hashes, messages=messages)
-                for c in range(req.n)]
+        fields: dict[str, Any] = {
+            "messages": messages, "options": self._options(req), "constraint": self._chat_constraint(req, mode),
+            "logprobs": req.logprobs, "top_logprobs": req.top_logprobs or 0, "prompt_logprobs": req.prompt_logprobs,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None}
+        return [self._worker_request(req, f"{rid}-{c}", c, max_tokens, hashes, fields) for c in range(req.n)]
 
     # -- running choices ------------------------------------------------------------------------
 
-    async def _open_all(self, wreqs: list[WorkerRequest]) -> list[ChoiceStream]:
+    async def _open_all(self, wreqs: list[WorkerRequest], n: int = 1) -> list[ChoiceStream]:
+        """Open every choice; with `n` > 1 each prompt's first choice first: its siblings then
+        follow it to its replica (prefix affinity) and share its prefill (prefix cache)."""
+        if n == 1:
+            return await self._open_wave(wreqs)
+        leads = await self._open_wave(wreqs[::n])
+        try:
+            rest = iter(await self._open_wave([w for i, w in enumerate(wreqs) if i % n]))
+        except BaseException:
+            for s in leads:
+                s.cancel()
+            raise
+        return [leads[i // n] if i % n == 0 else next(rest) for i in range(len(wreqs))]
+
+    async def _open_wave(self, wreqs: list[WorkerRequest]) -> list[ChoiceStream]:
         results = await asyncio.gather(*(self._open_choice(w) for w in wreqs), return_exceptions=True)
         streams = [r for r in results if isinstance(r, ChoiceStream)]
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -221,8 +257,9 @@ class OpenAIService:
             async for i, piece in self._stream_pieces(streams, arrival):
                 completion_tokens += piece.completion_tokens
                 c = choice(i, piece)
-                if c is not None:
-                    yield _sse(chunk([c], None))
+                for one in c if isinstance(c, list) else [c]:
+                    if one is not None:
+                        yield _sse(chunk([one], None))
             if include_usage:
                 yield _sse(chunk([], usage(prompt_tokens, [Piece(completion_tokens=completion_tokens)])))
         except Exception as exc:  # noqa: BLE001 - the client gets an error event, then [DONE]
@@ -239,7 +276,7 @@ class OpenAIService:
 
     async def _complete(self, req: CompletionRequest, arrival: float) -> Reply:
         rid = _new_id("cmpl")
-        streams = await self._open_all(self.completion_requests(req, rid))
+        streams = await self._open_all(self.completion_requests(req, rid), req.n)
         replicas = [s.start.replica or "" for s in streams]
         prompt_tokens = sum(s.start.prompt_tokens for s in streams[:: req.n])
         if req.stream:
@@ -250,10 +287,11 @@ class OpenAIService:
 
             include = bool(req.stream_options and req.stream_options.include_usage)
             return Reply(replicas, stream=self._sse_stream(
-                streams, arrival, "prompt", chunk, lambda i, p: completion_chunk_choice(i, p, req.logprobs), [],
+                streams, arrival, "prompt", chunk,
+                lambda i, p: completion_chunk_choice(i, p, req.logprobs, req.echo, req.prompt_logprobs), [],
                 prompt_tokens, include))
         results = await self._collect_all(streams, arrival)
-        choices = [completion_choice(i, r, req.logprobs) for i, r in enumerate(results)]
+        choices = [completion_choice(i, r, req.logprobs, req.echo, req.prompt_logprobs) for i, r in enumerate(results)]
         return Reply(replicas, body=CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                                        usage=usage(prompt_tokens, results)))
 
@@ -265,7 +303,9 @@ class OpenAIService:
 
     async def _chat(self, req: ChatCompletionRequest, arrival: float) -> Reply:
         rid = _new_id("chatcmpl")
-        streams = await self._open_all(self.chat_requests(req, rid))
+        mode = tool_choice_mode(req)
+        streams = await self._open_all(self.chat_requests(req, rid, mode), req.n)
+        rendering = ChatRendering(req.logprobs, req.top_logprobs, mode)
         replicas = [s.start.replica or "" for s in streams]
         prompt_tokens = streams[0].start.prompt_tokens
         if req.stream:
@@ -277,10 +317,12 @@ class OpenAIService:
             roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(streams))]  # the role first, at once
             include = bool(req.stream_options and req.stream_options.include_usage)
+            per_choice = [rendering.stream(i) for i in range(len(streams))]
             return Reply(replicas, stream=self._sse_stream(
-                streams, arrival, "messages", chunk,
-                lambda i, p: chat_chunk_choice(i, p, req.logprobs, req.top_logprobs), roles, prompt_tokens, include))
+                streams, arrival, "messages", chunk, lambda i, p: per_choice[i].chunks(p), roles, prompt_tokens,
+                include))
         results = await self._collect_all(streams, arrival)
-        choices = [chat_choice(i, r, req.logprobs, req.top_logprobs) for i, r in enumerate(results)]
-        return Reply(replicas, body=ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                                           usage=usage(prompt_tokens, results)))
+        choices = [rendering.choice(i, r) for i, r in enumerate(results)]
+        return Reply(replicas, body=ChatCompletionResponse(
+            id=rid, model=self.model_name, choices=choices, usage=usage(prompt_tokens, results),
+            prompt_logprobs=prompt_logprobs(results[0].prompt, req.prompt_logprobs)))

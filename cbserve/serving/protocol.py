@@ -7,9 +7,41 @@ replica streams that back as an `error` event whose `field` each front maps to i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# One of the most likely tokens at a position: (token id, its text, its log-probability).
+TopEntry = tuple[int, str, float]
+ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+
+
+class SamplingOptions(BaseModel):
+    """The engine's per-request options beyond temperature / top_p / top_k / seed
+    (`cbserve.workers.validation.OPTIONS`, vLLM's semantics); None leaves one off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class Constraint(BaseModel):
+    """Structured output: compiled by the replica (`cbserve.workers.structured`); a spec that does
+    not compile is refused naming `field`, the request's own name for it."""
+
+    kind: ConstraintKind
+    spec: Any = None
+    field: str = "response_format"
 
 
 class WorkerRequest(BaseModel):
@@ -17,15 +49,23 @@ class WorkerRequest(BaseModel):
 
     request_id: str
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt_ids: list[int] | None = None
-    max_tokens: int | None = Field(None, description="None: the deployment default, capped by context")
+    tools: list[dict[str, Any]] | None = Field(None, description="function tools, for the chat template")
+    max_tokens: int | None = Field(None, description="None: the deployment default, capped by context; "
+                                                     "0: no generated token (echo / prompt logprobs)")
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    options: SamplingOptions = Field(default_factory=SamplingOptions)
+    constraint: Constraint | None = None
     logprobs: bool = False
+    top_logprobs: int = Field(0, description="most likely tokens reported with each generated one")
+    prompt_logprobs: int | None = Field(None, description="None: none; k: each prompt token's and k top ones")
+    echo: bool = Field(False, description="send the prompt's text (and tokens) back before the output")
+    skip_special_tokens: bool = True
     prefix_hashes: list[int] = Field(default_factory=list, description="read by the request router")
 
     @model_validator(mode="after")
@@ -34,6 +74,17 @@ class WorkerRequest(BaseModel):
         if sum(given) != 1:
             raise ValueError("exactly one of prompt, messages, prompt_ids must be given")
         return self
+
+
+class PromptInfo(BaseModel):
+    """The prompt as the request asked to get it back (echo, prompt logprobs): its text, tokens,
+    each token's log-probability (None for the first) and the most likely tokens at each one."""
+
+    text: str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+    token_texts: list[str] = Field(default_factory=list)
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[list[TopEntry]] | None = None
 
 
 EventKind = Literal["start", "delta", "end", "error"]
@@ -52,6 +103,8 @@ class WorkerEvent(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] | None = None
     token_texts: list[str] | None = None
+    top_logprobs: list[list[TopEntry]] | None = None
+    prompt: PromptInfo | None = None  # on the first delta, when the request asked for it
     # end
     finish_reason: FinishReason | None = None
     completion_tokens: int = 0
@@ -59,3 +112,4 @@ class WorkerEvent(BaseModel):
     status: int = 0
     message: str = ""
     field: str | None = None  # set on a refused request (400): the InvalidRequestError's field
+    code: str | None = None  # "overloaded": the engine's waiting queue is full

@@ -15,16 +15,14 @@ from typing import Any
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.errors import ABORTED, CUT_SHORT, APIError, error_event, refusal
-from cbserve.serving.protocol import WorkerEvent
+from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent
 from cbserve.serving.schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
     ChatLogprobs,
     ChatLogprobToken,
     CompletionChoice,
     CompletionLogprobs,
-    DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
 )
@@ -49,6 +47,8 @@ class Piece:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
+    top_logprobs: list[list[TopEntry]] = field(default_factory=list)
+    prompt: PromptInfo | None = None  # on the first delta, when echo or prompt logprobs were asked for
     finish_reason: str | None = None
     completion_tokens: int = 0
 
@@ -73,11 +73,14 @@ class ChoiceResult(Piece):
             return None
         if ev.kind == "delta":
             piece = Piece(text=ev.text, token_ids=list(ev.token_ids), logprobs=list(ev.logprobs or []),
-                          token_texts=list(ev.token_texts or []))
+                          token_texts=list(ev.token_texts or []), top_logprobs=list(ev.top_logprobs or []),
+                          prompt=ev.prompt)
             self.text += piece.text
             self.token_ids += piece.token_ids
             self.logprobs += piece.logprobs
             self.token_texts += piece.token_texts
+            self.top_logprobs += piece.top_logprobs
+            self.prompt = self.prompt or piece.prompt
             if self.timer is not None:
                 self.timer.on_tokens(len(piece.token_ids))
             return piece
@@ -146,48 +149,80 @@ def usage(prompt_tokens: int, results: list[Piece] | list[ChoiceResult]) -> Usag
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
-def completion_logprobs(p: Piece, k: int | None) -> CompletionLogprobs:
-    offsets, pos = [], 0
-    for t in p.token_texts:
+def _top_dict(entries: list[TopEntry], k: int, token: str, logprob: float) -> dict[str, float]:
+    """vLLM's completions `top_logprobs` entry: the k most likely tokens and the chosen one."""
+    top = {text: lp for _, text, lp in entries[:k]}
+    top.setdefault(token, logprob)
+    return top
+
+
+def _prompt_part(prompt: PromptInfo | None, k: int) -> tuple[list[str], list[float | None], list[Any]]:
+    """The echoed prompt's tokens, logprobs (None first) and top entries."""
+    if prompt is None or prompt.logprobs is None:
+        return [], [], []
+    tops: list[Any] = [None]
+    for i in range(1, len(prompt.token_ids)):
+        entries = prompt.top_logprobs[i] if prompt.top_logprobs and i < len(prompt.top_logprobs) else []
+        tops.append(_top_dict(entries, k, prompt.token_texts[i], prompt.logprobs[i]))  # type: ignore[arg-type]
+    return list(prompt.token_texts), list(prompt.logprobs), tops
+
+
+def completion_logprobs(p: Piece, k: int, echo: bool = False, offset: int = 0) -> CompletionLogprobs:
+    """Legacy completions logprobs: with `echo`, the prompt's tokens first (the first one's None)."""
+    tokens, values, tops = _prompt_part(p.prompt, k) if echo else ([], [], [])
+    tokens += p.token_texts
+    values += p.logprobs
+    tops += [_top_dict(p.top_logprobs[i] if i < len(p.top_logprobs) else [], k, t, lp)
+             for i, (t, lp) in enumerate(zip(p.token_texts, p.logprobs))]
+    offsets, pos = [], offset
+    for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = [{t: lp} for t, lp in zip(p.token_texts, p.logprobs)] if k else [None] * len(p.logprobs)
-    return CompletionLogprobs(tokens=p.token_texts, token_logprobs=list(p.logprobs), top_logprobs=top,
-                              text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+
+
+def prompt_logprobs(prompt: PromptInfo | None, k: int | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: per position, the prompt's token and the k most likely ones."""
+    if k is None or prompt is None or prompt.logprobs is None:
+        return None
+    out: PromptLogprobs = [None]
+    for i in range(1, len(prompt.token_ids)):
+        entries = prompt.top_logprobs[i][:k] if prompt.top_logprobs and i < len(prompt.top_logprobs) else []
+        at = {str(t): PromptLogprob(logprob=lp, rank=r + 1, decoded_token=text)
+              for r, (t, text, lp) in enumerate(entries)}
+        token = str(prompt.token_ids[i])
+        if token not in at:
+            at[token] = PromptLogprob(logprob=prompt.logprobs[i], rank=None,  # type: ignore[arg-type]
+                                      decoded_token=prompt.token_texts[i])
+        out.append(at)
+    return out
 
 
 def chat_logprobs(p: Piece, top_logprobs: int | None) -> ChatLogprobs:
     content = []
-    for t, lp in zip(p.token_texts, p.logprobs):
-        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))] if top_logprobs else []
+    k = top_logprobs or 0
+    for i, (t, lp) in enumerate(zip(p.token_texts, p.logprobs)):
+        entries = p.top_logprobs[i][:k] if i < len(p.top_logprobs) else []
+        top = [TopLogprob(token=text, logprob=v, bytes=list(text.encode())) for _, text, v in entries]
         content.append(ChatLogprobToken(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def completion_choice(index: int, p: Piece, logprobs: int | None) -> CompletionChoice:
-    """A whole choice, or a streamed delta or finish (`logprobs`: None when not asked for)."""
-    lp = completion_logprobs(p, logprobs) if logprobs is not None else None
-    return CompletionChoice(index=index, text=p.text, finish_reason=p.finish_reason, logprobs=lp)  # type: ignore[arg-type]
+def completion_choice(index: int, p: Piece, logprobs: int | None, echo: bool = False,
+                      prompt_k: int | None = None) -> CompletionChoice:
+    """A whole choice, or a streamed delta or finish (`logprobs`: None when not asked for). With
+    `echo` the prompt (carried by the choice's first piece) leads its text and logprobs."""
+    lead = (p.prompt.text or "") if echo and p.prompt is not None else ""
+    lp = completion_logprobs(p, logprobs, echo) if logprobs is not None else None
+    return CompletionChoice(index=index, text=lead + p.text, finish_reason=p.finish_reason,  # type: ignore[arg-type]
+                            logprobs=lp, prompt_logprobs=prompt_logprobs(p.prompt, prompt_k))
 
 
-def completion_chunk_choice(index: int, p: Piece, logprobs: int | None) -> CompletionChoice | None:
+def completion_chunk_choice(index: int, p: Piece, logprobs: int | None, echo: bool = False,
+                            prompt_k: int | None = None) -> CompletionChoice | None:
     """A streamed piece as a chunk's choice; None for a delta with nothing to show."""
     if p.finish_reason is not None:
         return completion_choice(index, Piece(finish_reason=p.finish_reason), None)
-    return completion_choice(index, p, logprobs) if p.text or logprobs is not None else None
-
-
-def chat_choice(index: int, r: ChoiceResult, logprobs: bool, top_logprobs: int | None) -> ChatChoice:
-    lp = chat_logprobs(r, top_logprobs) if logprobs else None
-    return ChatChoice(index=index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason,  # type: ignore[arg-type]
-                      logprobs=lp)
-
-
-def chat_chunk_choice(index: int, p: Piece, logprobs: bool, top_logprobs: int | None) -> ChatChunkChoice | None:
-    """A streamed piece as a chunk's choice; None for a delta with nothing to show."""
-    if p.finish_reason is not None:
-        return ChatChunkChoice(index=index, delta=DeltaMessage(), finish_reason=p.finish_reason)  # type: ignore[arg-type]
-    if not (p.text or logprobs):
-        return None
-    lp = chat_logprobs(p, top_logprobs) if logprobs else None
-    return ChatChunkChoice(index=index, delta=DeltaMessage(content=p.text), logprobs=lp)
+    if p.text or logprobs is not None or p.prompt is not None:
+        return completion_choice(index, p, logprobs, echo, prompt_k)
+    return None

@@ -6,10 +6,11 @@ a front has (the engine knows nothing of them). Values the engine checks are pas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.prefix import chat_routing_text, prefix_hashes
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import SamplingOptions, WorkerRequest
 from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig
 
 
@@ -42,7 +43,7 @@ def worker_request(
     hashes: list[int],
     *,
     prompt: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     prompt_ids: list[int] | None = None,
     max_tokens: int | None = None,
     temperature: float | None = None,
@@ -51,11 +52,16 @@ def worker_request(
     seed: int | None = None,
     stop: Sequence[str] = (),
     logprobs: bool = False,
+    options: SamplingOptions | None = None,
+    **fields: Any,
 ) -> WorkerRequest:
     """One choice; sampling fields left None take the deployment's generation defaults. An empty
-    text prompt is refused here, for every front (a tokenizer may turn it into a BOS token alone)."""
+    text prompt is refused here, for every front (a tokenizer may turn it into a BOS token alone).
+    `fields`: the other `WorkerRequest` fields (constraint, tools, top_logprobs, echo, ...)."""
     if prompt is not None and not prompt:
         raise InvalidRequestError("prompt", "prompt must not be empty")
+    if max_tokens == 0 and not (fields.get("echo") or fields.get("prompt_logprobs") is not None):
+        raise InvalidRequestError("max_tokens", "max_tokens: 0 only with echo or prompt_logprobs")
     return WorkerRequest(
         request_id=request_id,
         prompt=prompt,
@@ -68,5 +74,20 @@ def worker_request(
         seed=seed,
         stop=list(stop),
         logprobs=logprobs,
+        options=options or SamplingOptions(),
         prefix_hashes=hashes,
+        **fields,
     )
+
+
+def logit_bias(bias: dict[str, float] | None, field: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) with integer keys; the engine checks the ids
+    and the [-100, 100] range."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().lstrip("-").isdigit():
+            raise InvalidRequestError(field, f"{field}: key {key!r} is not a token id")
+        out[int(key)] = value
+    return out

@@ -1,12 +1,14 @@
 """OpenAI wire schemas (the subset this server implements), as pydantic models.
 
-Requests accept and ignore unknown fields, like OpenAI's own server; fields this server cannot
-honour are refused with a 400 naming the field (see `openai_service.py`).
+Requests are strict: a field this server does not know is a 400 naming it (OpenAI's `param`),
+never silently dropped. The few fields accepted and ignored on purpose are declared here, each
+with its reason (`IGNORED`). Fields this server knows but cannot honour in some value (`suffix`,
+`best_of > 1`) are refused with a 400 naming the field (see `openai_service.py`).
 
 The ranges below are OpenAI's documented wire contract (temperature in [0, 2], top_p in (0, 1],
 n >= 1, ...), refused while parsing with the JSON path of the field, before any choice is sent
 to a replica. What the engine itself can hold (token ids in its vocabulary, top_k and seed sizes,
-max_tokens against the context) is checked by the engine only.
+max_tokens against the context, logit_bias values) is checked by the engine only.
 """
 
 from __future__ import annotations
@@ -15,39 +17,115 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # OpenAI's seed is an int64; each choice samples with seed + its index.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top logprobs per token (the engine's limit, vLLM's default max_logprobs)
+
+# Accepted and ignored on purpose: field -> why (README "Endpoints").
+IGNORED = {
+    "user": "an end-user id for OpenAI's abuse monitoring; this server keeps no per-user accounts",
+    "response_format.json_schema.name / description": "labels for the schema; the grammar enforces it",
+    "response_format.json_schema.strict": "always strict: the output is constrained by the schema's grammar",
+    "tools[].function.strict": "named and required calls always follow the schema (grammar); auto calls "
+                               "are parsed as the model wrote them",
+    "tools[].function.description": "passed to the chat template, which may or may not show it",
+}
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """Unknown fields are refused (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+# ---- structured outputs ------------------------------------------------------------------------
 
-    model_config = ConfigDict(extra="allow")
+
+class JsonSchemaSpec(Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema must be given exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsSpec(Strict):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StructuredFields(Strict):
+    """Ways to constrain the output (at most one per request)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class SamplingFields(StructuredFields):
+    """Fields shared by completions and chat completions."""
 
     # Numbers are strict: "5", true or 5.5 for an integer is refused (400), not coerced.
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
-    top_k: int | None = Field(None, ge=0, strict=True, description="extension, as in vLLM; 0 = off")
+    top_k: int | None = Field(None, ge=-1, strict=True, description="extension, as in vLLM; 0 or -1 = off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX - 64, strict=True)  # room for seed + choice
     n: int = Field(1, ge=1, strict=True)
     stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored: IGNORED
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    repetition_penalty: float | None = Field(None, gt=0.0, strict=True)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0, strict=True)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     @field_validator("stop")
     @classmethod
@@ -65,7 +143,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
+    max_tokens: int | None = Field(None, ge=0, strict=True, description="0: only with echo or prompt_logprobs")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, strict=True)
     suffix: str | None = None
@@ -89,17 +168,39 @@ class CompletionRequest(SamplingFields):
         return list(p)  # list[str] or list[list[int]]
 
 
-class TextPart(BaseModel):
+# ---- chat ---------------------------------------------------------------------------------------
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionCall(Strict):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments, as OpenAI sends it")
 
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages answer a tool call")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -109,14 +210,36 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted and ignored: IGNORED
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -135,11 +258,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely; None when the token is not among the top ones
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt position (None for the first), token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -165,16 +302,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
-class AssistantMessage(BaseModel):
+class _OmitsNoCalls(BaseModel):
+    """`tool_calls` only when there are calls (as OpenAI sends it)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class AssistantMessage(_OmitsNoCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReasonName | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -184,18 +333,32 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension (the chat's prompt is shared)
 
 
-class DeltaMessage(BaseModel):
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_OmitsNoCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReasonName | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -1,0 +1,81 @@
+"""A chat choice as OpenAI renders it: its message or its stream of deltas, tool calls included.
+
+`ChatRendering` holds what a chat request asked for (logprobs, top logprobs, the tool-choice
+mode); `choice` renders a whole folded choice, `ChatStream` one choice's pieces as they come.
+With tools (`tool_calls.py`), text that makes up a call leaves the content and comes back as
+`tool_calls`, and the choice finishes with `"tool_calls"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cbserve.serving.replies import ChoiceResult, Piece, chat_logprobs
+from cbserve.serving.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
+from cbserve.serving.tool_calls import HermesParser, delta_calls, split_calls
+
+
+@dataclass(frozen=True)
+class ChatRendering:
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_mode: str = "none"  # none, auto, required, named (constraints.tool_choice_mode)
+
+    def choice(self, index: int, r: ChoiceResult) -> ChatChoice:
+        content, calls = split_calls(r.text, self.tool_mode)
+        finish = "tool_calls" if calls else r.finish_reason
+        lp = chat_logprobs(r, self.top_logprobs) if self.logprobs else None
+        message = AssistantMessage(content=content, tool_calls=calls or None)
+        return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
+
+    def stream(self, index: int) -> ChatStream:
+        return ChatStream(self, index)
+
+
+@dataclass
+class ChatStream:
+    """One choice's chunks: content as it comes (held while it may be a call), calls when whole."""
+
+    rendering: ChatRendering
+    index: int
+    _parser: HermesParser = field(default_factory=HermesParser)
+    _forced: str = ""  # named / required: the constrained JSON, parsed at the end
+    _calls: int = 0
+
+    def chunks(self, p: Piece) -> list[ChatChunkChoice]:
+        mode = self.rendering.tool_mode
+        if p.finish_reason is not None:
+            return self._finish(p)
+        if mode in ("named", "required"):
+            self._forced += p.text
+            text, calls = "", []
+        elif mode == "auto":
+            text, calls = self._parser.feed(p.text)
+        else:
+            text, calls = p.text, []
+        return self._delta(p, text, calls)
+
+    def _delta(self, p: Piece, text: str, calls: list) -> list[ChatChunkChoice]:
+        out = []
+        show_lp = self.rendering.logprobs and bool(p.token_ids)
+        if text or show_lp:
+            lp = chat_logprobs(p, self.rendering.top_logprobs) if show_lp else None
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=text), logprobs=lp))
+        if calls:
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(tool_calls=delta_calls(calls, self._calls))))
+            self._calls += len(calls)
+        return out
+
+    def _finish(self, p: Piece) -> list[ChatChunkChoice]:
+        mode = self.rendering.tool_mode
+        if mode in ("named", "required"):
+            content, calls = split_calls(self._forced, mode)
+            text = content or ""
+        elif mode == "auto":
+            text, calls = self._parser.flush()
+        else:
+            text, calls = "", []
+        out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls)
+        finish = "tool_calls" if self._calls else p.finish_reason
+        out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), finish_reason=finish))  # type: ignore[arg-type]
+        return out

@@ -1,0 +1,126 @@
+"""Tool calls in a chat's output, in OpenAI's shape.
+
+- `tool_choice: "auto"`: the model's Hermes-style calls, `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` (what Qwen, Hermes, SmolLM3 and most open chat templates teach), are cut
+  out of the text as it streams (`HermesParser`); what is not a well-formed call stays content.
+- `"required"` and a named function: the output was constrained to the calls' JSON (a list of
+  calls, or one call: `constraints.tool_constraint`), parsed when it ends (`forced_calls`).
+
+A call gets an id `call_<hex>` and its arguments as JSON text, as OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbserve.serving.schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def _call(obj: Any) -> ToolCall | None:
+    """A parsed `{"name": ..., "arguments": {...}}` as a ToolCall (None when it is not one)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=text))
+
+
+def parse_call(body: str) -> ToolCall | None:
+    try:
+        return _call(json.loads(body))
+    except ValueError:
+        return None
+
+
+def forced_calls(text: str, mode: str) -> list[ToolCall]:
+    """The calls of a constrained output: one call (named) or a JSON list of them (required);
+    [] when the text does not parse (cut short by max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    items = obj if mode == "required" and isinstance(obj, list) else [obj]
+    calls = [_call(item) for item in items]
+    return [c for c in calls if c is not None] if all(calls) else []
+
+
+def _held(text: str) -> int:
+    """How many trailing characters of `text` could begin a `<tool_call>` tag."""
+    for n in range(min(len(START) - 1, len(text)), 0, -1):
+        if START.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class HermesParser:
+    """Cuts `<tool_call>...</tool_call>` blocks out of streamed text."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    _buf: str = ""
+    _in_call: bool = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Add text; returns the content that may be shown now and the calls completed."""
+        self._buf += text
+        content, done = "", []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(START)
+                if at < 0:
+                    keep = _held(self._buf)
+                    content += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    break
+                content += self._buf[:at]
+                self._buf, self._in_call = self._buf[at + len(START):], True
+            else:
+                at = self._buf.find(END)
+                if at < 0:
+                    break
+                body, self._buf, self._in_call = self._buf[:at], self._buf[at + len(END):], False
+                content += self._take(body, closed=True, out=done)
+        return content, done
+
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """The end of the text: an unclosed call is still a call when its JSON is complete."""
+        done: list[ToolCall] = []
+        content = self._take(self._buf, closed=False, out=done) if self._in_call else self._buf
+        self._buf, self._in_call = "", False
+        return content, done
+
+    def _take(self, body: str, closed: bool, out: list[ToolCall]) -> str:
+        call = parse_call(body.strip())
+        if call is None:  # not a call after all: it stays text
+            return START + body + (END if closed else "")
+        self.calls.append(call)
+        out.append(call)
+        return ""
+
+
+def split_calls(text: str, mode: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole output as (content, tool calls); content None when only calls were made."""
+    if mode in ("named", "required"):
+        calls = forced_calls(text, mode)
+        return (None, calls) if calls else (text, [])
+    if mode != "auto":
+        return text, []
+    parser = HermesParser()
+    content, _ = parser.feed(text)
+    rest, _ = parser.flush()
+    content += rest
+    if not parser.calls:
+        return text, []
+    return (content.strip() or None), parser.calls
+
+
+def delta_calls(calls: list[ToolCall], first_index: int) -> list[DeltaToolCall]:
+    """Whole calls as stream deltas (each call in one delta, numbered from `first_index`)."""
+    return [DeltaToolCall(index=first_index + i, id=c.id, type="function",
+                          function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+            for i, c in enumerate(calls)]
