@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import torch
@@ -407,14 +407,23 @@ class ContinuousBatchingManager:
     async def async_request_iter(self, request_id: str) -> AsyncIterator[GenerationOutput]:
         """`request_id_iter` for asyncio. If the consumer goes away first (cancelled task,
         closed generator), the request is cancelled and its pages freed."""
+        async with aclosing(self.async_request_batches(request_id)) as batches:
+            async for batch in batches:
+                for output in batch:
+                    yield output
+
+    async def async_request_batches(self, request_id: str) -> AsyncIterator[list[GenerationOutput]]:
+        """`async_request_iter` by the batch: every output of `request_id` that is ready when the
+        consumer asks (one per engine step it missed), at once, the final one last. Cancels the
+        request if the consumer goes away first."""
         finished = exhausted = False
         try:
             while self._may_have_more(request_id):
-                output = await self._outputs.get_async(request_id, timeout=0.1)
-                if output is None:
+                batch = await self._outputs.get_all_async(request_id, timeout=0.1)
+                if not batch:
                     continue
-                finished = output.is_finished()
-                yield output
+                finished = batch[-1].is_finished()
+                yield batch
                 if finished:
                     return
             exhausted = True  # the loop is not running: nothing more can come now

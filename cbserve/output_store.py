@@ -120,20 +120,27 @@ class OutputStore:
     async def get_async(self, request_id: str, timeout: float | None = None) -> GenerationOutput | None:
         """The next output of `request_id`, awaited without blocking the event loop; None
         after `timeout` seconds."""
+        outputs = await self.get_all_async(request_id, timeout, limit=1)
+        return outputs[0] if outputs else None
+
+    async def get_all_async(self, request_id: str, timeout: float | None = None,
+                            limit: int | None = None) -> list[GenerationOutput]:
+        """Every stored output of `request_id` (at most `limit`), oldest first, awaited until there
+        is one without blocking the event loop; [] after `timeout` seconds."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             event = asyncio.Event()
             waiter = (loop, event)
             with self._cond:
-                output = self._pop_locked(request_id)
-                if output is not None:
-                    return output
+                outputs = self._pop_many_locked(request_id, limit)
+                if outputs:
+                    return outputs
                 self._async_waiters.setdefault(request_id, []).append(waiter)
             try:
                 remaining = None if deadline is None else deadline - loop.time()
                 if remaining is not None and remaining <= 0:
-                    return None
+                    return []
                 try:
                     await asyncio.wait_for(event.wait(), remaining)
                 except TimeoutError:
@@ -145,6 +152,12 @@ class OutputStore:
                         waiters.remove(waiter)
                         if not waiters:
                             del self._async_waiters[request_id]
+
+    def _pop_many_locked(self, request_id: str, limit: int | None) -> list[GenerationOutput]:
+        outputs: list[GenerationOutput] = []
+        while (limit is None or len(outputs) < limit) and (output := self._pop_locked(request_id)) is not None:
+            outputs.append(output)
+        return outputs
 
     def discard(self, request_id: str, finished: bool) -> None:
         """Drop a request's stored outputs, and its future ones unless it already finished."""

@@ -7,9 +7,12 @@ one `error` event carrying the `InvalidRequestError`'s field.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -189,14 +192,39 @@ async def _closing(stream: Any) -> AsyncIterator[Any]:
             await aclose()
 
 
-async def _stream(manager: Any, rid: str, decoder: _Decoder) -> AsyncIterator[WorkerEvent]:
-    """The `delta`s and the last event of a submitted request; cancels it if abandoned."""
+def merge_outputs(batch: list[Any]) -> Any:
+    """One output standing for a request's consecutive outputs: the last one, carrying the new
+    tokens of them all (its token, logprob and prompt lists are cumulative already)."""
+    if len(batch) == 1:
+        return batch[0]
+    return dataclasses.replace(batch[-1], new_tokens=[t for out in batch for t in out.new_tokens])
+
+
+async def _output_batches(manager: Any, rid: str) -> AsyncIterator[list[Any]]:
+    """The request's outputs, every one ready at once (`async_request_batches`) where the manager
+    has it, else one by one."""
+    if hasattr(manager, "async_request_batches"):
+        async with _closing(manager.async_request_batches(rid)) as batches:
+            async for batch in batches:
+                yield batch
+        return
+    async with _closing(manager.async_request_iter(rid)) as outputs:
+        async for out in outputs:
+            yield [out]
+
+
+async def _stream(manager: Any, rid: str, decoder: _Decoder, interval_s: float = 0.0) -> AsyncIterator[WorkerEvent]:
+    """The `delta`s and the last event of a submitted request, one delta for every output ready
+    when the previous one went (so at most one per engine step), and at most one every
+    `interval_s` after the first; cancels the request if abandoned."""
     finished = False
     try:
-        async with _closing(manager.async_request_iter(rid)) as outputs:
-            async for out in outputs:
+        async with _closing(_output_batches(manager, rid)) as batches:
+            async for batch in batches:
+                out = merge_outputs(batch)
                 ev = decoder.delta(out)
                 if ev is not None:
+                    sent = time.monotonic()
                     yield ev
                 if decoder.stopped:
                     finished = True
@@ -207,6 +235,8 @@ async def _stream(manager: Any, rid: str, decoder: _Decoder) -> AsyncIterator[Wo
                     finished = True
                     yield _last_event(out, decoder)
                     return
+                if ev is not None and interval_s > 0:  # the outputs of the next steps gather meanwhile
+                    await asyncio.sleep(max(0.0, sent + interval_s - time.monotonic()))
     finally:
         if not finished:
             logger.info("request %s abandoned by its caller; cancelling it", rid)
@@ -214,9 +244,10 @@ async def _stream(manager: Any, rid: str, decoder: _Decoder) -> AsyncIterator[Wo
 
 
 async def run_request(
-    manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest, replica: str
+    manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest, replica: str, interval_s: float = 0.0
 ) -> AsyncIterator[WorkerEvent]:
-    """Yield `start`, `delta`s and one `end` (or a single `error`) for one request.
+    """Yield `start`, `delta`s and one `end` (or a single `error`) for one request; a delta carries
+    every token generated since the previous one (`_stream`: `interval_s` paces them).
 
     If the consumer goes away (the generator is closed or its task cancelled), the request is
     cancelled in the engine, which frees its KV pages.
@@ -234,7 +265,7 @@ async def run_request(
         yield error_event(503, f"this worker is not accepting requests: {exc}")
         return
     yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids))
-    async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids)):
+    async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids), interval_s):
         yield ev
 
 
