@@ -67,3 +67,64 @@ def test_a_group_that_does_not_fill_up_names_the_rank_and_the_operation() -> Non
                                                   rf"127.0.0.1:{rendezvous.port} \(timeout 2s"):
         rendezvous.join(torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+def _external_rank(rank: int, ports, folder: str, prompts: list[list[int]], queue) -> None:
+    """One rank of an externally launched group (as the replica and a Ray rank actor would be),
+    serving two engines in a row with the shard it loaded once."""
+    from transformers import GenerationConfig
+
+    import cbserve
+    from cbserve.workers.parallel.loading import load_shard
+
+    try:
+        if rank == 0:
+            rendezvous = Rendezvous("127.0.0.1", 2, timeout=120)
+            ports.put(rendezvous.port)  # published once bound
+            rendezvous.join(torch.device("cpu"))
+        else:
+            join_rendezvous("127.0.0.1", ports.get(timeout=120), rank, 2, torch.device("cpu"), timeout=120)
+        shard = load_shard(folder, rank, 2, torch.float64)
+        gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+        cfg = cbserve.ContinuousBatchingConfig(tp_size=2, tp_launcher="external", page_size=16, num_blocks=64,
+                                               prepack_weights=False)
+        results = []
+        for _ in range(2):
+            if rank == 0:
+                outputs = cbserve.generate_batch(shard, prompts, gc, cfg, progress_bar=False)
+                results.append([o.generated_tokens for o in outputs.values()])
+            else:
+                cbserve.serve_tensor_parallel_rank(shard, cfg)
+        assert not any(m._forward_hooks for m in shard.modules())  # the engines left no collective behind
+        queue.put((rank, results))
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        queue.put((rank, repr(error)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_an_external_group_serves_engines_in_a_row_from_shards_loaded_once(tmp_path) -> None:
+    from transformers import GenerationConfig
+
+    import cbserve
+    from tests.tiny_models import random_prompts, tiny_model
+
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    prompts = random_prompts([4, 20], seed=9)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    reference = cbserve.generate_batch(model, prompts, gc, cbserve.ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, prepack_weights=False), progress_bar=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_external_rank, args=(r, ports, str(tmp_path), prompts, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+    expected = [o.generated_tokens for o in reference.values()]
+    assert results == {0: [expected, expected], 1: []}, results

@@ -43,10 +43,22 @@ def _setup(payload: dict, shape: ModelShape, dtype: torch.dtype, device: torch.d
 
 def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
     """Rank > 0: run every step rank 0 broadcasts until it shuts down; returns the shutdown
-    message's payload. Raises TensorParallelError when rank 0 or a peer fails."""
+    message's payload. Raises TensorParallelError when rank 0 or a peer fails. The shard (the
+    caller's, under torchrun) gets its attention implementation back and loses its collectives
+    when this returns, so that it can follow another engine."""
     paged_attention.register()
+    previous = shard.config._attn_implementation
     shard.set_attn_implementation(paged_attention.ATTENTION_NAME)
-    install_all_reduce(shard, groups.data)
+    hooks = install_all_reduce(shard, groups.data)
+    try:
+        return _loop(shard, groups, device)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        shard.set_attn_implementation(previous)
+
+
+def _loop(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
     # A vocabulary-parallel head takes part in every step (its logits are gathered on rank 0); a
     # replicated one is left to rank 0.
     whole = vocab_parallel_head(shard) is not None
