@@ -208,6 +208,15 @@ def test_preempted_pages_go_to_the_pool(pool_name: str) -> None:
     assert_reference(model, longest + [5], tokens, logprobs)
 
 
+def test_the_pool_folder_can_be_chosen(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(node_pool.DIRECTORY_ENV, str(tmp_path))
+    owner = NodeKVPool.create("chosen", 1 << 20)
+    assert owner.path == tmp_path / "cbserve-kv-chosen" and NodeKVPool.attach("chosen").alive()
+    owner.close()
+    with pytest.raises(ValueError, match="file name"):
+        node_pool.pool_path("a/b")
+
+
 def test_pool_replacement_and_verification(tmp_path) -> None:
     capacity = node_pool.HEADER_SLOTS * 8 + node_pool.ALIGN + 3 * (node_pool.FIELDS * 8 + 4 * 4 + 64)
     pool = NodeKVPool.create("unit", capacity, directory=tmp_path)

@@ -2,7 +2,7 @@
 node, holding KV pages keyed by their prefix hash chain, so that an engine that misses a prefix
 in its own cache copies it from the pool instead of recomputing it.
 
-Memory: one file in /dev/shm (`NodeKVPool.create`, by the pool's owner: a node-level process
+Memory: one file in /dev/shm or `$CBSERVE_NODE_KV_POOL_DIR` (`NodeKVPool.create`, by the pool's owner: a node-level process
 that outlives the replicas), memory-mapped by every engine that attaches by name. The owner
 gives only a capacity; the first engine to attach formats it for its pages (page size, bytes
 per page, model fingerprint) and engines whose pages differ do not use it.
@@ -52,7 +52,14 @@ FREE, WRITING, READY = 0, 1, 2
 ALIGN = 64
 
 
+DIRECTORY_ENV = "CBSERVE_NODE_KV_POOL_DIR"
+
+
 def default_directory() -> Path:
+    """`$CBSERVE_NODE_KV_POOL_DIR` (a memory-backed folder every engine of the node sees: under
+    Kubernetes, an emptyDir of medium Memory mounted in each pod), else /dev/shm."""
+    if os.environ.get(DIRECTORY_ENV):
+        return Path(os.environ[DIRECTORY_ENV])
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
