@@ -10,7 +10,7 @@ from cbserve.compat import attach, detach
 from cbserve.config import ContinuousBatchingConfig
 from cbserve.errors import InvalidRequestError, QueueFullError
 from cbserve.manager import ContinuousBatchingManager
-from cbserve.models import load_model
+from cbserve.models import load_model, load_model_shard
 from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus
 from cbserve.workers.parallel.launch import serve_tensor_parallel_rank
 from cbserve.workers.structured import StructuredOutputs
@@ -31,5 +31,6 @@ __all__ = [
     "generate_batch",
     "init_continuous_batching",
     "load_model",
+    "load_model_shard",
     "serve_tensor_parallel_rank",
 ]

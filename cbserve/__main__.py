@@ -51,7 +51,7 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int
 def cmd_generate(args: argparse.Namespace) -> int:
     from cbserve.api import generate_batch
     from cbserve.config import ContinuousBatchingConfig
-    from cbserve.models import load_model
+    from cbserve.models import load_model, load_model_shard
 
     try:
         cb_config = ContinuousBatchingConfig(
@@ -60,15 +60,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: invalid engine setting: {error}", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
-    if args.tp_size > 1:  # tensor parallelism hook: refuse a size the model cannot be split by, up front
-        from cbserve.workers.parallel.sharding import check_tp_size
-
-        try:
-            check_tp_size(model, args.tp_size)
-        except ValueError as error:
-            print(f"error: --tp-size: {error}", file=sys.stderr)
-            return 2
+    try:  # with --tp-size N, rank 0's shard only (each rank reads its own); a bad size is refused here
+        model, tokenizer = (load_model(args.model, dtype=args.dtype) if args.tp_size == 1
+                            else load_model_shard(args.model, 0, args.tp_size, dtype=args.dtype))
+    except ValueError as error:
+        if args.tp_size == 1:
+            raise
+        print(f"error: --tp-size: {error}", file=sys.stderr)
+        return 2
     inputs = [chat_prompt_ids(tokenizer, prompt) for prompt in args.prompt]
     generation_config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

@@ -55,9 +55,6 @@ def engine_config(args: ClusterArgs) -> dict[str, Any]:
     """`ContinuousBatchingConfig` fields of one replica: `args.engine` and what the cluster sets."""
     tp = args.tp_size
     offload = offload_share_gib(args.cpu_offload, per_replica_resources(args), max_replicas(args))
-    if tp > 1 and offload > 0:
-        logger.warning("CPU offload is off with tp_size > 1 (the engine does not offload across ranks)")
-        offload = 0.0
     engine = dict(args.engine)
     engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
     if tp > 1:  # the replica and its rank actors join their group themselves (`tp_ranks.py`)
@@ -89,7 +86,7 @@ class EngineReplica:
             w = self.args.worker
             self.ranks = RankGroup(self.args.model, self.args.dtype, self.args.tp_size, engine, w.num_cpus,
                                    w.num_gpus, name=None if self.replica == "local" else f"cbserve-{self.replica}")
-        model, self.tokenizer = load_on_device(self.args.model, self.args.dtype)
+        model, self.tokenizer = load_on_device(self.args.model, self.args.dtype, 0, self.args.tp_size)
         if self.ranks is not None:
             self.ranks.join()
         eos = _eos_ids(model, self.tokenizer)

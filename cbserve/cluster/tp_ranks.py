@@ -2,17 +2,17 @@
 
 The replica is rank 0 and runs the manager; ranks 1..N-1 are `TPRank` actors, one per bundle
 of the placement group `app.worker_options` reserves (STRICT_PACK: one node). All ranks join one
-`torch.distributed` group over TCP at the replica's address; the engine then sees an
-externally launched group (`tp_launcher="external"`, `cbserve.workers.parallel.launch`): rank 0's engine broadcasts each step
-and the actors follow (`serve_tensor_parallel_rank`) until the manager shuts down. The actors
-are owned by the replica, so Ray stops them if the replica dies.
+`torch.distributed` group through the replica's rendezvous (bound before its port is
+published); the engine then sees an externally launched group (`tp_launcher="external"`,
+`cbserve.workers.parallel.launch`): rank 0's engine broadcasts each step and the actors follow
+(`serve_tensor_parallel_rank`) until the manager shuts down. Each rank loads only its own shard
+of the weights (`cbserve.load_model_shard`). The actors are owned by the replica, so Ray stops
+them if the replica dies.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-from datetime import timedelta
 from typing import Any
 
 import ray
@@ -28,21 +28,15 @@ def _device() -> Any:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _join(address: str, port: int, rank: int, world: int) -> None:
-    import torch.distributed as dist
-
-    from cbserve.workers.parallel.groups import data_backend
-
-    dist.init_process_group(data_backend(_device()), init_method=f"tcp://{address}:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-
-
-def load_on_device(model_name: str | None, dtype_name: str) -> tuple[Any, Any]:
-    import torch
-
+def load_on_device(model_name: str | None, dtype_name: str, rank: int = 0, world: int = 1) -> tuple[Any, Any]:
+    """This rank's part of the model on this node's device: the whole model when `world` is 1,
+    else only its tensor-parallel shard, read slice by slice from the checkpoint (never the whole
+    weights); the tokenizer on rank 0 only."""
     import cbserve
 
-    model, tokenizer = cbserve.load_model(name_or_path=model_name, dtype=getattr(torch, dtype_name))
+    if world > 1:
+        return cbserve.load_model_shard(model_name, rank, world, dtype=dtype_name, device=_device(), tokenizer=rank == 0)
+    model, tokenizer = cbserve.load_model(name_or_path=model_name, dtype=dtype_name)
     device = _device()
     if device.type != "cpu":
         model = model.to(device)
@@ -58,9 +52,9 @@ def rank_actor_name(replica: str, rank: int) -> str:
 
 @ray.remote(max_concurrency=2)  # `follow` blocks one thread; `ping` answers on the other
 class TPRank:
-    def __init__(self, model_name: str | None, dtype_name: str, rank: int):
+    def __init__(self, model_name: str | None, dtype_name: str, rank: int, world: int):
         self.rank = rank
-        self.model, _ = load_on_device(model_name, dtype_name)
+        self.model, _ = load_on_device(model_name, dtype_name, rank, world)
 
     def ping(self) -> int:
         return self.rank
@@ -68,9 +62,9 @@ class TPRank:
     def follow(self, address: str, port: int, world: int, engine: dict[str, Any]) -> str:
         """Join the group, then run every step rank 0 broadcasts until it shuts down."""
         from cbserve.config import ContinuousBatchingConfig
-        from cbserve.workers.parallel.launch import serve_tensor_parallel_rank
+        from cbserve.workers.parallel.launch import join_rendezvous, serve_tensor_parallel_rank
 
-        _join(address, port, self.rank, world)
+        join_rendezvous(address, port, self.rank, world, _device(), JOIN_TIMEOUT_S)
         serve_tensor_parallel_rank(self.model, ContinuousBatchingConfig(**engine))
         return f"rank {self.rank} done"
 
@@ -86,10 +80,12 @@ class RankGroup:
         pg = get_current_placement_group()
         if pg is None:
             raise RuntimeError("tp_size > 1 needs the replica's placement group (see app.worker_options)")
+        from cbserve.workers.parallel.launch import Rendezvous
+
         address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((address, 0))
-            port = s.getsockname()[1]
+        # Listening before its port is published: nothing else can take the port meanwhile.
+        self.rendezvous = Rendezvous(address, world, JOIN_TIMEOUT_S)
+        port = self.rendezvous.port
         # Named after their replica (`<name>-tp-rank<r>`, namespace `cbserve`) so that `ray list
         # actors` shows whose ranks they are, and an operator (or a test) can find one.
         self.actors = [
@@ -99,7 +95,7 @@ class RankGroup:
                 num_cpus=num_cpus, num_gpus=num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=rank),
-            ).remote(model_name, dtype_name, rank)
+            ).remote(model_name, dtype_name, rank, world)
             for rank in range(1, world)
         ]
         self.done = [a.follow.remote(address, port, world, engine) for a in self.actors]
@@ -107,7 +103,7 @@ class RankGroup:
 
     def join(self) -> None:
         """Join as rank 0 (after loading this replica's model, while the actors load theirs)."""
-        _join(self._address, self._port, 0, self._world)  # returns once every rank has joined
+        self.rendezvous.join(_device())  # returns once every rank has joined
         logger.info("tensor-parallel group of %d ranks joined at %s:%d", self._world, self._address, self._port)
 
     def stop(self, timeout: float = 30.0) -> None:
