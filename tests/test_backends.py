@@ -181,7 +181,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
         assert max_seqlen_q == int((cu[1:] - cu[:-1]).max()) and max_seqlen_k == int(context_lens.max())
         return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, *args)
 
-    monkeypatch.setattr(backends, "kernels", lambda name: backends.KernelBackend(
+    monkeypatch.setattr(backends, "kernels", lambda name, batch_invariant=None: backends.KernelBackend(
         name, ref.store_kv, decode, varlen, varlen_takes_max_seqlen=True))
     model = tiny_model("llama")
     prompts = random_prompts(LENGTHS)
@@ -193,7 +193,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
     def forgetful(q, k_cache, v_cache, block_tables, context_lens, *args):
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.ones_like(context_lens), *args)
 
-    monkeypatch.setattr(backends, "kernels", lambda name: backends.KernelBackend(
+    monkeypatch.setattr(backends, "kernels", lambda name, batch_invariant=None: backends.KernelBackend(
         name, ref.store_kv, forgetful, varlen, varlen_takes_max_seqlen=True))
     requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
     with pytest.raises(AssertionError):
