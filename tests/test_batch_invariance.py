@@ -134,3 +134,21 @@ def test_the_flag_is_refused_where_it_cannot_hold(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")  # no C++ linear path: oneDNN only, refused
     assert "batch-invariant mode needs the C++ linear kernel" in packed_linear.unavailable_reason(
         torch.device("cpu"), torch.float32, batch_invariant=True)
+
+
+@pytest.mark.default_model
+def test_default_model_request_is_bitwise_the_same_in_any_batch() -> None:
+    """The real model in its auto dtype (bfloat16 on CPUs with native bfloat16): shapes where
+    elementwise ops split across threads at odd places, chunks next to decodes, a cached prefix."""
+    from cbserve.models import load_model
+
+    model, _ = load_model()
+    if packed_linear.kernel(model.dtype) != "cbserve":
+        pytest.skip(f"no {model.dtype} C++ linear kernel on this CPU ({cpu_isa.selected()})")
+    vocab = model.config.vocab_size
+    target, others = random_prompts([TARGET_LEN], seed=1, vocab=vocab)[0], random_prompts(OTHERS, seed=2, vocab=vocab)
+    alone = None
+    for name, (prompts, index, overrides) in scenarios(target, others).items():
+        got = run_target(model, prompts, index, config(True, **overrides))
+        alone = alone or got
+        assert got == alone, name

@@ -112,10 +112,11 @@ def paged_decode_attention(
     softcap: float | None = None,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """One query per request (``q`` ``[B, H, D]``) at position ``context_lens[b] - 1``; out ``[B, H, D]``."""
+    """One query per request (``q`` ``[B, H, D]``) at position ``context_lens[b] - 1``; out ``[B, H, D]``.
+    Tables and lengths: int32 or int64."""
     load()
     return torch.ops.cbserve_cpu.paged_decode(
-        q.contiguous(), k_cache, v_cache, block_tables.long().contiguous(), context_lens.long(),
+        q.contiguous(), k_cache, v_cache, block_tables, context_lens,
         float(scale), int(sliding_window or 0), float(softcap or 0.0), isa or cpu_isa.selected(),
     )
 
@@ -139,7 +140,6 @@ def varlen_paged_attention(
     row's output does not depend on the rest of the batch (see the C++ file)."""
     load()
     return torch.ops.cbserve_cpu.paged_attention(
-        q.contiguous(), k_cache, v_cache, cu_seqlens_q.long(), block_tables.long().contiguous(),
-        context_lens.long(), float(scale), int(sliding_window or 0), float(softcap or 0.0),
-        isa or cpu_isa.selected(),
+        q.contiguous(), k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
+        float(scale), int(sliding_window or 0), float(softcap or 0.0), isa or cpu_isa.selected(),
     )

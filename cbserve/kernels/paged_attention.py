@@ -5,14 +5,15 @@ query/key/value of the packed batch ([1, heads, T, head_dim]) and the step's met
 writes the new K/V into the layer's pages by slot mapping, then attends:
 
 - decode rows (one query per request) through the backend's paged decode kernel when it has one
-  for this path (the C++ CPU kernel of the ``cpu`` backend), else in batched SDPA calls over each
-  request's gathered K/V, padded to the longest context, with SDPA's GQA support;
+  for this path (the C++ CPU kernel of the ``cpu`` backend with ``batch_invariant=False``), else
+  in batched SDPA calls over each request's gathered K/V, padded to the longest context, with
+  SDPA's GQA support;
 - prefill chunks one request at a time, causal with an offset over the cached prefix.
 
 No dense block-diagonal mask over the whole batch is ever built.
 
-With a full kernel backend (`backends.py`: triton, flash, reference) the step's block tables go
-to the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
+With a full kernel backend (`backends.py`: cpu, triton, flash, reference) the step's block tables
+go to the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
 over every request otherwise.
 """
 

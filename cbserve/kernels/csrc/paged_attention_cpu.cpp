@@ -536,12 +536,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(3), "shape mismatch");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
-              cu_seqlens_q.scalar_type() == at::kLong, "int64 tables, lengths and cu_seqlens_q");
+  for (const at::Tensor* t : {&block_tables, &context_lens, &cu_seqlens_q}) {
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kLong || t->scalar_type() == at::kInt),
+                "block tables, context lengths and cu_seqlens_q must be int32 or int64 CPU tensors");
+  }
   const int64_t batch = block_tables.size(0), rows = q.size(0);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.numel() == batch &&
-              cu_seqlens_q.numel() == batch + 1, "one block table row, context length and cu_seqlens_q entry per request");
-  const at::Tensor lens = context_lens.contiguous(), cu = cu_seqlens_q.contiguous();
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.numel() == batch && cu_seqlens_q.numel() == batch + 1,
+              "one block table row, context length and cu_seqlens_q entry per request");
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kLong).contiguous(), cu = cu_seqlens_q.to(at::kLong).contiguous();
   const int64_t* cup = cu.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   TORCH_CHECK(cup[0] == 0 && cup[batch] <= rows, "cu_seqlens_q must start at 0 and end within q's rows");
@@ -561,7 +564,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto out = at::empty_like(q);
   if (used < rows) out.narrow(0, used, rows - used).zero_();  // rows of no request
   if (used == 0) return out;
-  Args a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr<int64_t>(), lp,
+  Args a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr<int64_t>(), lp,
          row_request.data(), row_position.data(), q.size(1), q.size(2), page_size, k_cache.size(2), width,
          window, scale, softcap};
   const RunFn run = pick(q.scalar_type(), isa);
@@ -577,7 +580,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                         int64_t window, double softcap, const std::string& isa) {
   TORCH_CHECK(q.dim() == 3 && q.size(0) == block_tables.size(0), "one query row per request");
-  const at::Tensor cu = at::arange(q.size(0) + 1, block_tables.options().dtype(at::kLong));
+  const at::Tensor cu = at::arange(q.size(0) + 1, at::TensorOptions().dtype(at::kLong));
   return paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, scale, window, softcap, isa);
 }
 
