@@ -419,7 +419,8 @@ class ContinuousBatchingManager:
         finished = exhausted = False
         try:
             while self._may_have_more(request_id):
-                batch = await self._outputs.get_all_async(request_id, timeout=0.1)
+                # The store wakes this when the loop ends (`_loop_finished`); the timeout is a backstop.
+                batch = await self._outputs.get_all_async(request_id, timeout=1.0)
                 if not batch:
                     continue
                 finished = batch[-1].is_finished()

@@ -22,7 +22,7 @@ class OutputStore:
         self._order: deque[tuple[int, str]] = deque()  # may hold entries already taken by id
         self._seq = 0
         self._num_stored = 0
-        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._discarded: set[str] = set()
         self._handlers: dict[str, tuple[Callable[[GenerationOutput], None], asyncio.AbstractEventLoop]] = {}
 
@@ -41,9 +41,9 @@ class OutputStore:
             self._order.append((self._seq, rid))
             self._num_stored += 1
             self._cond.notify_all()
-            for loop, event in self._async_waiters.pop(rid, []):
+            for loop, waiter in self._async_waiters.pop(rid, []):
                 try:
-                    loop.call_soon_threadsafe(event.set)
+                    loop.call_soon_threadsafe(_wake, waiter)
                 except RuntimeError:  # that event loop is closed: nobody waits there any more
                     pass
 
@@ -66,9 +66,16 @@ class OutputStore:
             pass
 
     def wake(self) -> None:
-        """Wake every waiting `get`, to check again whether an output may still come."""
+        """Wake every waiting `get` and `get_all_async`, to check again whether an output may
+        still come."""
         with self._cond:
             self._cond.notify_all()
+            for waiters in self._async_waiters.values():
+                for loop, waiter in waiters:
+                    try:
+                        loop.call_soon_threadsafe(_wake, waiter)
+                    except RuntimeError:  # that event loop is closed
+                        pass
 
     def has_output(self, request_id: str | None = None) -> bool:
         with self._cond:
@@ -130,28 +137,28 @@ class OutputStore:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            event = asyncio.Event()
-            waiter = (loop, event)
+            waiter = (loop, loop.create_future())  # a bare future and a timer: no task per wait
             with self._cond:
                 outputs = self._pop_many_locked(request_id, limit)
                 if outputs:
                     return outputs
                 self._async_waiters.setdefault(request_id, []).append(waiter)
+            remaining = None if deadline is None else deadline - loop.time()
+            timer = None if remaining is None else loop.call_later(max(0.0, remaining), _wake, waiter[1])
             try:
-                remaining = None if deadline is None else deadline - loop.time()
-                if remaining is not None and remaining <= 0:
-                    return []
-                try:
-                    await asyncio.wait_for(event.wait(), remaining)
-                except TimeoutError:
-                    pass
+                await waiter[1]
             finally:  # a timeout or a cancelled consumer leaves no stale waiter behind
+                if timer is not None:
+                    timer.cancel()
                 with self._cond:
                     waiters = self._async_waiters.get(request_id)
                     if waiters and waiter in waiters:
                         waiters.remove(waiter)
                         if not waiters:
                             del self._async_waiters[request_id]
+            if deadline is not None and loop.time() >= deadline:
+                with self._cond:
+                    return self._pop_many_locked(request_id, limit)
 
     def _pop_many_locked(self, request_id: str, limit: int | None) -> list[GenerationOutput]:
         outputs: list[GenerationOutput] = []
@@ -167,3 +174,8 @@ class OutputStore:
             self._async_waiters.pop(request_id, None)
             if not finished:
                 self._discarded.add(request_id)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
