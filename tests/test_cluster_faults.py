@@ -61,7 +61,8 @@ def _args(model_dir: Path, **extra: Any) -> dict[str, Any]:
 def _faults_args(model_dir: Path, replicas: int) -> dict[str, Any]:
     # Health checks every second: a dead replica is noticed (and replaced) quickly.
     return _args(model_dir, worker={"num_replicas": replicas, "num_cpus": 0.5, "health_check_period_s": 1.0,
-                                    "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": GRACE_S})
+                                    "graceful_shutdown_wait_loop_s": 0.5, "graceful_shutdown_timeout_s": GRACE_S,
+                                    "teardown_timeout_s": 5.0})
 
 
 def _tp_args(model_dir: Path) -> dict[str, Any]:

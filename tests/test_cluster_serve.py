@@ -58,7 +58,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
         )
         serve.run(build_app(_args(model_dir, api_key=API_KEY)), name="cbserve", route_prefix="/")
         serve.run(
-            build_app(_args(model_dir, worker={"num_replicas": 2, "graceful_shutdown_timeout_s": 60})),
+            build_app(_args(model_dir, worker={"num_replicas": 2, "graceful_shutdown_timeout_s": 60},
+                            routing={"chunk_chars": 16, "stats_period_s": 0.5, "imbalance_threshold": 1})),
             name="routed", route_prefix="/routed",
         )
         yield {"http": http_port, "grpc": grpc_port, "model_dir": model_dir, "serve": serve}
@@ -380,29 +381,30 @@ def _open_stream(cluster: dict[str, Any], prompt: str, max_tokens: int) -> tuple
     return conn, resp.getheader("x-cbserve-replica")
 
 
-def test_shared_prefix_follows_its_replica_while_load_is_within_threshold(cluster: dict[str, Any]) -> None:
+def test_shared_prefix_follows_its_replica_while_load_is_within_the_bound(cluster: dict[str, Any]) -> None:
+    """The `routed` app: 2 replicas, imbalance_threshold 1, so a prefix's replica takes it while
+    its queue is below ceil(1.25 x (all outstanding + 1) / 2) + 1."""
     system = "the capital of france is paris and the sea is wide "  # three 16-char chunks
     owner = _replica_of(cluster, system + "zero")
-    # Two long requests sharing the prefix stay on its replica (2 outstanding <= threshold 4)...
+    # Two long requests sharing the prefix stay on its replica (2 < ceil(1.25 x 3 / 2) + 1 = 3)...
     streams = [_open_stream(cluster, system + tail, 400) for tail in ("one", "two")]
     try:
         assert {replica for _, replica in streams} == {owner}
         # ...so a short one with the prefix still goes there, though the other replica is idle,
         assert {_replica_of(cluster, system + tail) for tail in ("three", "four")} == {owner}
-        # while a prompt with an unseen prefix goes to the least loaded replica.
-        other = _replica_of(cluster, "hello world one two three four five six seven eight")
-        assert other != owner
+        # while a prompt shorter than one chunk (no key) goes to the less loaded of two replicas.
+        assert _replica_of(cluster, "hello world") != owner
     finally:
         for conn, _ in streams:
             conn.close()
 
 
 def test_unequal_load_spreads_over_replicas(cluster: dict[str, Any]) -> None:
-    """Distinct prompts go to the replica with fewer outstanding requests; a shared prefix stays
-    on its replica until that one's queue exceeds the other's by more than the threshold (4)."""
+    """Short prompts go to the replica with fewer outstanding requests; a shared prefix stays on
+    its replica until that one's queue reaches the bound, then goes to the next on its ring."""
     streams: list[tuple[http.client.HTTPConnection, str]] = []
     try:
-        streams += [_open_stream(cluster, f"{i} distinct prompt " * 3, 400) for i in range(2)]  # distinct 1st chunk
+        streams += [_open_stream(cluster, f"{i} short", 400) for i in range(2)]  # shorter than a chunk
         assert streams[0][1] != streams[1][1]
         for conn, _ in streams:
             conn.close()
@@ -410,8 +412,9 @@ def test_unequal_load_spreads_over_replicas(cluster: dict[str, Any]) -> None:
         shared = "a shared prefix that is long enough to hash twice over "
         streams = [_open_stream(cluster, shared + str(i), 400) for i in range(6)]
         owner = streams[0][1]
-        assert [replica for _, replica in streams[:5]] == [owner] * 5  # queue 4 vs 0: still within 4
-        assert streams[5][1] != owner  # queue 5 vs 0: past the threshold, to the least loaded
+        # 5 outstanding on the owner: 5 >= ceil(1.25 x 6 / 2) + 1 = 5, the 6th goes to the other.
+        assert [replica for _, replica in streams[:5]] == [owner] * 5
+        assert streams[5][1] != owner
     finally:
         for conn, _ in streams:
             conn.close()
@@ -439,15 +442,18 @@ def test_deleting_the_app_drains_in_flight_requests(cluster: dict[str, Any]) -> 
 
 
 def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(cluster: dict[str, Any]) -> None:
+    """On the engine's signals: 4 clients are far below target_ongoing_requests (64), but the
+    engine runs one request at a time (max_requests_per_batch 1), so 3 wait: more than
+    target_waiting_requests (0.5), which asks for (1 running + 3 waiting) / 1 = 4 replicas (max 2)."""
     import threading
 
     from cbserve.cluster.app import build_app
 
     serve = cluster["serve"]
-    auto = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 1,
+    auto = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 64,
             "upscale_delay_s": 0.5, "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 1}
-    serve.run(build_app(_args(cluster["model_dir"], worker={"autoscaling": auto, "num_cpus": 0.5,
-                                                                 "graceful_shutdown_timeout_s": 30})),
+    worker = {"autoscaling": auto, "num_cpus": 0.5, "graceful_shutdown_timeout_s": 30, "target_waiting_requests": 0.5}
+    serve.run(build_app(_args(cluster["model_dir"], engine={**ENGINE, "max_requests_per_batch": 1}, worker=worker)),
               name="scaled", route_prefix="/scaled")
 
     def running() -> int:

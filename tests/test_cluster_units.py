@@ -355,58 +355,6 @@ class FakeReplica:
         return self.queue_len
 
 
-@dataclass
-class FakePending:
-    args: list[Any]
-    routing_context: Any = None
-
-    def __post_init__(self) -> None:
-        from ray.serve._private.request_router.common import RequestRoutingContext
-
-        self.routing_context = RequestRoutingContext()
-
-
-def test_router_prefers_the_prefix_owner_until_it_is_overloaded() -> None:
-    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
-
-    from cbserve.cluster.router import PrefixAffinityRouter
-
-    async def scenario() -> None:
-        dep = DeploymentID(name="LLMWorker", app_name="app")
-        router = PrefixAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
-                                      use_replica_queue_len_cache=False)
-        router.initialize_state(imbalance_threshold=2)
-        a, b = (FakeReplica(ReplicaID(unique_id=u, deployment_id=dep)) for u in ("a", "b"))
-        shared = WorkerRequest(request_id="x", prompt="p", prefix_hashes=[11, 22, 33])
-        other = WorkerRequest(request_id="y", prompt="p", prefix_hashes=[11, 44])
-
-        # Unknown prefix: least outstanding requests first.
-        a.queue_len, b.queue_len = 3, 1
-        ranks = await router.choose_replicas([a, b], FakePending([shared]))
-        assert ranks[0] == [b]
-        router.on_request_routed(FakePending([shared]), a.replica_id, None)  # a served it after all
-
-        # Known prefix on a, a not overloaded (3 - 1 <= 2): a first.
-        ranks = await router.choose_replicas([a, b], FakePending([shared]))
-        assert ranks[0] == [a]
-        # A prompt sharing only the first chunk also goes to a.
-        assert (await router.choose_replicas([a, b], FakePending([other])))[0] == [a]
-        # a overloaded (4 - 1 > 2): least loaded instead.
-        a.queue_len = 4
-        ranks = await router.choose_replicas([a, b], FakePending([shared]))
-        assert ranks[0] == [b]
-        # Equal queues: the lower KV usage (routing stats) breaks the tie.
-        a.queue_len = b.queue_len = 0
-        a.routing_stats, b.routing_stats = {"kv_usage": 0.1}, {"kv_usage": 0.9}
-        ranks = await router.choose_replicas([a, b], FakePending([WorkerRequest(request_id="z", prompt="q")]))
-        assert ranks[0] == [a]
-        # The owner is gone: its entries go with it.
-        router.on_replica_actor_died(a.replica_id)
-        assert (await router.choose_replicas([b], FakePending([shared])))[0] == [b]
-
-    _run(scenario())
-
-
 def test_router_gives_each_sibling_request_its_own_replica() -> None:
     """Handle calls made while serving one request share Serve's internal request id."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
@@ -467,18 +415,27 @@ def test_worker_options_map_args_to_serve() -> None:
 
     fixed = worker_options(ClusterArgs(worker={"num_replicas": 3, "graceful_shutdown_timeout_s": 30}))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["graceful_shutdown_timeout_s"] == 30
+    assert fixed["graceful_shutdown_timeout_s"] == 30 + 1.0 + 30.0  # + the wait loop and the teardown
     router: RequestRouterConfig = fixed["request_router_config"]
     assert router.request_router_class == ROUTER_CLASS
-    assert router.request_router_kwargs == {"imbalance_threshold": 4, "table_size": 100_000}
+    assert router.request_router_kwargs == {"load_factor": 1.25, "imbalance_threshold": 4, "key_chunks": 1,
+                                            "virtual_nodes": 64}
     auto = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
     scaled = worker_options(ClusterArgs(worker={"autoscaling": auto}))
+    policy = scaled["autoscaling_config"].pop("policy")  # on the engine's signals too (test_autoscaling.py)
     assert scaled["autoscaling_config"] == auto and "num_replicas" not in scaled
+    assert policy["policy_function"] == "cbserve.cluster.autoscaling:EngineAutoscalingPolicy"
     tp = worker_options(ClusterArgs(tp_size=2, worker={"num_cpus": 2, "num_gpus": 1}))
     assert tp["placement_group_bundles"] == [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
     assert tp["placement_group_strategy"] == "STRICT_PACK"
     off = worker_options(ClusterArgs(routing={"enabled": False}))
     assert "PowerOfTwo" in off["request_router_config"].request_router_class
+    from cbserve.cluster.ray_compat import RAY_LLM_PREFIX_ROUTER_CLASS as ray_llm
+
+    other = worker_options(ClusterArgs(routing={"request_router_class": ray_llm,
+                                                "request_router_kwargs": {"imbalanced_threshold": 8}}))
+    assert other["request_router_config"].request_router_class == ray_llm
+    assert other["request_router_config"].request_router_kwargs == {"imbalanced_threshold": 8}
 
 
 def test_ray_config_yaml_is_a_valid_serve_config() -> None:

@@ -39,8 +39,9 @@ def test_every_private_member_exists_in_the_installed_ray(owner: str, name: str)
     assert obj is not None
 
 
-def test_default_router_class_resolves() -> None:
-    module, name = ray_compat.DEFAULT_ROUTER_CLASS.split(":")
+@pytest.mark.parametrize("path", [ray_compat.DEFAULT_ROUTER_CLASS, ray_compat.RAY_LLM_PREFIX_ROUTER_CLASS])
+def test_router_classes_resolve(path: str) -> None:
+    module, name = path.split(":")
     from ray.serve.request_router import RequestRouter
 
     assert issubclass(getattr(importlib.import_module(module), name), RequestRouter)
@@ -59,7 +60,7 @@ def test_backpressure_error_is_found_and_read_through_its_public_api() -> None:
 
 def test_no_other_module_uses_rays_private_api() -> None:
     private_names = {name.split(".")[-1] for owner, name in ray_compat.PRIVATE_MEMBERS if owner == "RequestRouter"}
-    pattern = re.compile(r"ray\.serve\._private|get_http_config|\b(" + "|".join(map(re.escape, private_names)) + r")\b"
+    pattern = re.compile(r"ray\.serve\._private|ray\.llm\._internal|get_http_config|\b(" + "|".join(map(re.escape, private_names)) + r")\b"
                          r"|\._status_code\b|\._retry_after_s\b")
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):

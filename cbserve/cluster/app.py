@@ -18,22 +18,52 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from cbserve.cluster.engine_replica import DEPLOYMENT_NAME, EngineReplica
 from cbserve.cluster.ingress import OpenAIIngress
 from cbserve.cluster.ray_compat import DEFAULT_ROUTER_CLASS
-from cbserve.cluster.settings import ClusterArgs
+from cbserve.cluster.settings import ClusterArgs, WorkerConfig
 from cbserve.cluster.stats_board import StatsBoard
+from cbserve.serving.settings import RoutingConfig
 
 logger = logging.getLogger(__name__)
 
 ROUTER_CLASS = "cbserve.cluster.router:PrefixAffinityRouter"
+AUTOSCALING_POLICY = "cbserve.cluster.autoscaling:EngineAutoscalingPolicy"
+
+
+def shutdown_budget_s(w: WorkerConfig) -> float:
+    return w.graceful_shutdown_timeout_s + w.graceful_shutdown_wait_loop_s + w.teardown_timeout_s
+
+
+def autoscaling_config(w: WorkerConfig) -> dict[str, Any]:
+    """`worker.autoscaling`, with the engine-signal policy unless it names a policy of its own."""
+    auto = dict(w.autoscaling or {})
+    if "policy" not in auto and (w.target_kv_usage is not None or w.target_waiting_requests is not None):
+        auto["policy"] = {
+            "policy_function": AUTOSCALING_POLICY,
+            "policy_kwargs": {"target_kv_usage": w.target_kv_usage,
+                              "target_waiting_requests": w.target_waiting_requests},
+        }
+    return auto
+
+
+def router_class(routing: RoutingConfig) -> str:
+    if routing.request_router_class:
+        return routing.request_router_class
+    return ROUTER_CLASS if routing.enabled else DEFAULT_ROUTER_CLASS
+
+
+def router_kwargs(routing: RoutingConfig) -> dict[str, Any]:
+    if routing.request_router_class:
+        return dict(routing.request_router_kwargs)
+    if not routing.enabled:
+        return {}
+    return {"load_factor": routing.load_factor, "imbalance_threshold": routing.imbalance_threshold,
+            "key_chunks": routing.key_chunks, "virtual_nodes": routing.virtual_nodes}
 
 
 def worker_options(args: ClusterArgs) -> dict[str, Any]:
     w, routing = args.worker, args.routing
     router = RequestRouterConfig(
-        request_router_class=ROUTER_CLASS if routing.enabled else DEFAULT_ROUTER_CLASS,
-        request_router_kwargs=(
-            {"imbalance_threshold": routing.imbalance_threshold, "table_size": routing.table_size}
-            if routing.enabled else {}
-        ),
+        request_router_class=router_class(routing),
+        request_router_kwargs=router_kwargs(routing),
         request_routing_stats_period_s=routing.stats_period_s,
         request_routing_stats_timeout_s=max(routing.stats_period_s, 5.0),
     )
@@ -45,12 +75,14 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
         "max_queued_requests": w.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=w.overload_status_code, retry_after_s=w.retry_after_s),
         "graceful_shutdown_wait_loop_s": w.graceful_shutdown_wait_loop_s,
-        "graceful_shutdown_timeout_s": w.graceful_shutdown_timeout_s,
+        # Serve kills a stopping replica this long after asking it to stop: its in-flight requests
+        # get graceful_shutdown_timeout_s (Serve polls every wait loop), then `__del__` its teardown.
+        "graceful_shutdown_timeout_s": shutdown_budget_s(w),
         "health_check_period_s": w.health_check_period_s,
         "request_router_config": router,
     }
     if w.autoscaling is not None:
-        opts["autoscaling_config"] = dict(w.autoscaling)
+        opts["autoscaling_config"] = autoscaling_config(w)
     else:
         opts["num_replicas"] = w.num_replicas
     resources = {"CPU": w.num_cpus, "GPU": w.num_gpus}

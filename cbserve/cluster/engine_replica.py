@@ -7,18 +7,22 @@ actors in the replica's placement group (`tp_ranks.py`).
 `generate` is a streaming method (called with `handle.options(stream=True)`); when the caller
 cancels the call (client gone, timeout), the request is cancelled in the engine and its KV pages
 are freed. On scale-down Serve stops routing to the replica, waits for its ongoing requests
-(`graceful_shutdown_timeout_s`), then calls `__del__`, which stops the manager.
+(`graceful_shutdown_timeout_s`), then calls `__del__`, which stops the manager within
+`teardown_timeout_s` (Serve's kill comes after both: `app.shutdown_budget_s`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cbserve.cluster.autoscaling import KV_USAGE, RUNNING, WAITING
 from cbserve.cluster.offload import offload_share_gib
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
@@ -33,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 # The deployment's name, as `serve status`, handles and the batch job's `--serve-app` see it.
 DEPLOYMENT_NAME = "LLMWorker"
+TEARDOWN_SHARE_STOP = 0.5  # of teardown_timeout_s for the manager's last requests; the rest reaps TP ranks
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
@@ -82,6 +87,7 @@ class EngineReplica:
         self.ranks: RankGroup | None = None
         self.replica = _replica_id()
         engine = engine_config(self.args)
+        self.offload_gib = engine["cpu_offload_space"]
         if self.args.tp_size > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
             self.ranks = RankGroup(self.args.model, self.args.dtype, self.args.tp_size, engine, w.num_cpus,
@@ -130,6 +136,9 @@ class EngineReplica:
         return {
             "has_chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
             "tp_ranks": 1 + (len(self.ranks.actors) if self.ranks is not None else 0),
+            "replica": self.replica,
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
+            "cpu_offload_gib": float(self.offload_gib),
         }
 
     def ping(self) -> str:
@@ -137,6 +146,12 @@ class EngineReplica:
 
     def stats(self) -> dict[str, Any]:
         return {**self.manager.stats(), "replica": self.replica}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, averaged by its controller for
+        `autoscaling.EngineAutoscalingPolicy`."""
+        s = self.manager.stats() if self.manager is not None else {}
+        return {WAITING: float(s.get("waiting", 0)), RUNNING: float(s.get("running", 0)), KV_USAGE: kv_usage(s)}
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve's controller; also pushes the full stats to the stats board."""
@@ -163,10 +178,13 @@ class EngineReplica:
                 self._board.forget.remote(self.replica)
             except Exception as exc:  # noqa: BLE001 - the board drops stale replicas anyway
                 logger.debug("could not remove %s from the stats board: %r", self.replica, exc)
+        # Serve has waited for this replica's streams (graceful_shutdown_timeout_s) and kills it
+        # teardown_timeout_s later (`app.shutdown_budget_s`): every wait here fits in that.
+        deadline = time.monotonic() + self.args.worker.teardown_timeout_s
         try:
-            manager.stop(timeout=self.args.worker.graceful_shutdown_timeout_s)
+            manager.stop(block=True, timeout=TEARDOWN_SHARE_STOP * self.args.worker.teardown_timeout_s)
         finally:
-            manager.destroy()
+            manager.destroy(timeout=0)  # what is left now ends with an explicit error
             self.manager = None
             if self.ranks is not None:
-                self.ranks.stop()
+                self.ranks.stop(timeout=max(0.0, deadline - time.monotonic()))

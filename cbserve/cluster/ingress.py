@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cbserve.cluster.metrics_relay import MetricsRelay, this_replica
 from cbserve.cluster.ray_compat import backpressure, serve_http_host
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
@@ -100,6 +101,8 @@ class OpenAIIngress:
         self._board = board
         self._api_key = self.args.resolved_api_key()
         self.metrics = ServingMetrics(self.args.model_name)
+        self._relay = MetricsRelay(self.metrics, board, this_replica(), self.args.routing.stats_period_s)
+        self._relay.start()  # every ingress replica's series on /metrics, whichever answers
         self.service = OpenAIService(self.args, self._open_choice, self.metrics)
         if self._api_key is None:
             self._warn_if_exposed()
@@ -255,13 +258,7 @@ class OpenAIIngress:
                 self._check_auth(request)
             except APIError as exc:
                 return self._error(exc)
-        snapshot = None
-        if self._board is not None:
-            try:
-                snapshot = await asyncio.wait_for(self._board.snapshot.remote(), timeout=5)
-            except Exception as exc:  # noqa: BLE001 - serve the ingress's own metrics anyway
-                logger.warning("could not read worker stats for /metrics: %r", exc)
-        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await self._relay.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # Last route: anything no route above matched. Without the key a client gets 401 whatever the
     # path, so it cannot probe which routes exist; with it, 404 (or 405 for a known path).

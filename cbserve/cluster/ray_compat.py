@@ -6,6 +6,8 @@ What is private, and why it is used:
   HTTP proxy is bound to (the ingress warns when it is open beyond loopback without an API key).
 - `ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter`: Serve's default router,
   named when prefix routing is off (Serve has no public name for it).
+- `ray.llm._internal...:PrefixCacheAffinityRouter`: Ray Serve LLM's prefix router, whose public
+  name cannot be imported without vLLM or SGLang (the routing benchmark compares it with ours).
 - Members of `RequestRouter` that `CompatRouter` reads or overrides: the replica queue-length
   cache and its probe (`_use_replica_queue_len_cache`, `_replica_queue_len_cache`,
   `_probe_queue_lens`), and the matching of a routed replica to its pending request
@@ -26,12 +28,18 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUTER_CLASS = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+# Ray Serve LLM's prefix router (compared with ours in bench/routing.py). Its public name,
+# `ray.serve.llm.request_router:PrefixCacheAffinityRouter`, imports only with vLLM or SGLang installed.
+RAY_LLM_PREFIX_ROUTER_CLASS = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+)
 
 # (module, name) of private module-level names; ("RequestRouter", name) of private router members.
 PRIVATE_MEMBERS: list[tuple[str, str]] = [
     ("ray.serve._private.constants", "SERVE_CONTROLLER_NAME"),
     ("ray.serve._private.constants", "SERVE_NAMESPACE"),
     ("ray.serve._private.request_router", "PowerOfTwoChoicesRequestRouter"),
+    ("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router", "PrefixCacheAffinityRouter"),
     ("ray.serve._private.controller", "ServeController.get_http_config"),
     ("RequestRouter", "_use_replica_queue_len_cache"),
     ("RequestRouter", "_replica_queue_len_cache"),

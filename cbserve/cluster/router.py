@@ -1,27 +1,30 @@
-"""Ray Serve request router for engine replicas: prefix affinity, then least outstanding requests.
+"""Ray Serve request router for engine replicas: consistent hashing with bounded loads of the
+prompt's leading chunks, power-of-two choices otherwise (the policy itself: `balance.py`).
 
 It runs inside every process that holds a handle to the engine replicas' deployment (the ingress
-replicas). For each request it looks up the longest prompt prefix (see `serving/prefix.py`) that it
-routed before, and prefers the replica that served it, whose prefix cache then hits. It leaves
-that replica when its queue is longer than the shortest queue by more than
-`imbalance_threshold`, or when the prompt shares no known prefix, and then picks the replica with
-the fewest outstanding requests (Serve's queue lengths, which it probes or caches), breaking ties
-by the KV-cache usage the replicas report as routing stats (`EngineReplica.record_routing_stats`).
-Serve's private parts it needs (queue lengths, matching a replica to its request) are in
-`ray_compat.CompatRouter`.
+replicas) and keeps no table: the ring is a function of the live replicas' ids, so every ingress
+replica sends a prefix to the same worker replica without talking to the others. Loads are the
+replicas' outstanding requests as Serve knows them (its queue-length cache, refreshed by every
+reply and probed when stale: `ray_compat.CompatRouter.queue_lens`); ties between the two random
+choices are broken by the KV usage the replicas report as routing stats
+(`EngineReplica.record_routing_stats`).
+
+Ranks returned to Serve: the chosen replica first; if it refuses (full), the rest by load.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import random
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
+from cbserve.cluster.balance import HashRing, bounded_load_choice, routing_key, two_choices
 from cbserve.cluster.ray_compat import CompatRouter
 
 
-def _request_hashes(pending_request: PendingRequest | None) -> list[int]:
+def request_hashes(pending_request: PendingRequest | None) -> list[int]:
+    """The prefix hashes the ingress put on the `WorkerRequest` (its first argument)."""
     if pending_request is None:
         return []
     for arg in pending_request.args:
@@ -32,21 +35,22 @@ def _request_hashes(pending_request: PendingRequest | None) -> list[int]:
 
 
 class PrefixAffinityRouter(CompatRouter):
-    def initialize_state(self, imbalance_threshold: int = 4, table_size: int = 100_000, **_: Any) -> None:
-        self._imbalance_threshold = imbalance_threshold
-        self._table_size = table_size
-        self._owner: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix hash -> replica (LRU)
-        self.num_affinity_routes = 0
-        self.num_load_routes = 0
+    def initialize_state(self, load_factor: float = 1.25, imbalance_threshold: int = 4, key_chunks: int = 1,
+                         virtual_nodes: int = 64, seed: int | None = None, **_: Any) -> None:
+        self._load_factor = load_factor
+        self._slack = imbalance_threshold
+        self._key_chunks = key_chunks
+        self._virtual_nodes = virtual_nodes
+        self._rng = random.Random(seed)
+        self._ring = HashRing([], virtual_nodes)
+        self.num_affinity_routes = 0  # keyed requests that went to their key's first replica
+        self.num_spilled_routes = 0  # keyed requests that went further along the ring (load bound)
+        self.num_load_routes = 0  # requests without a key
 
-    # -- choosing -----------------------------------------------------------------------------
-
-    def _affine_replica(self, hashes: list[int], candidates: dict[ReplicaID, RunningReplica]) -> ReplicaID | None:
-        for h in reversed(hashes):  # longest shared prefix first
-            owner = self._owner.get(h)
-            if owner is not None and owner in candidates:
-                return owner
-        return None
+    def _ring_of(self, names: list[str]) -> HashRing:
+        if self._ring.names != frozenset(names):
+            self._ring = HashRing(names, self._virtual_nodes)
+        return self._ring
 
     @staticmethod
     def _kv_usage(replica: RunningReplica) -> float:
@@ -60,32 +64,26 @@ class PrefixAffinityRouter(CompatRouter):
             pending_request.routing_context.should_backoff = True  # back off between retries
         if not candidate_replicas:
             return []
-        by_id = {r.replica_id: r for r in candidate_replicas}
         lens = await self.queue_lens(candidate_replicas)
-        # Replicas that did not answer the probe go last; the rest by load, then KV usage.
-        by_load = sorted(
-            candidate_replicas,
-            key=lambda r: (r.replica_id not in lens, lens.get(r.replica_id, 0), self._kv_usage(r)),
-        )
-        target = self._affine_replica(_request_hashes(pending_request), by_id)
-        if target is not None and target in lens and lens[target] - min(lens.values()) <= self._imbalance_threshold:
+
+        def load_key(r: RunningReplica) -> tuple[float, ...]:
+            # Replicas that did not answer the probe go last; the rest by load, then KV usage.
+            return (r.replica_id not in lens, lens.get(r.replica_id, 0), self._kv_usage(r))
+
+        by_load = sorted(candidate_replicas, key=load_key)
+        key = routing_key(request_hashes(pending_request), self._key_chunks)
+        if key is None:
+            self.num_load_routes += 1
+            return [two_choices(candidate_replicas, load_key, self._rng), by_load]
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        walk = self._ring_of(list(by_name)).walk(key)
+        loads = {name: lens.get(by_name[name].replica_id, 0) for name in walk}
+        chosen = bounded_load_choice(walk, loads, self._load_factor, self._slack)
+        if chosen == walk[0]:
             self.num_affinity_routes += 1
-            return [[by_id[target]], by_load]
-        self.num_load_routes += 1
-        # The least loaded alone first (Serve would break ties in probe-completion order), then
-        # the rest in order of load, in case it refuses (full).
-        return [by_load[:1], by_load]
-
-    # -- learning -----------------------------------------------------------------------------
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        for h in _request_hashes(pending_request):
-            self._owner[h] = replica_id
-            self._owner.move_to_end(h)
-        while len(self._owner) > self._table_size:
-            self._owner.popitem(last=False)
+        else:
+            self.num_spilled_routes += 1
+        return [[by_name[chosen]], by_load]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        for h in [h for h, owner in self._owner.items() if owner == replica_id]:
-            del self._owner[h]
+        super().on_replica_actor_died(replica_id)  # the ring follows the candidates Serve passes

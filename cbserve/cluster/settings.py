@@ -38,6 +38,13 @@ class WorkerConfig(Strict):
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config: min_replicas, max_replicas, target_ongoing_requests, ..."
     )
+    # Autoscaling also on the engine's signals (`cluster/autoscaling.py`); null turns a signal off.
+    target_kv_usage: float | None = Field(
+        0.8, gt=0.0, le=1.0, description="add replicas while the mean KV usage is above this share"
+    )
+    target_waiting_requests: float | None = Field(
+        2.0, ge=0.0, description="add replicas while the engines queue more than this many requests each"
+    )
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs per tensor-parallel rank")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs per tensor-parallel rank")
     max_ongoing_requests: int = Field(256, ge=1, description="requests one replica accepts at once")
@@ -49,7 +56,12 @@ class WorkerConfig(Strict):
     overload_status_code: Literal[503, 429] = Field(503, description="HTTP status of a refused (overload) request")
     retry_after_s: float = Field(1.0, ge=0.0, allow_inf_nan=False, description="Retry-After of an overload refusal")
     graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0)
-    graceful_shutdown_timeout_s: float = Field(120.0, gt=0.0, description="drain limit on scale-down")
+    graceful_shutdown_timeout_s: float = Field(
+        120.0, gt=0.0, description="how long in-flight requests may still run when a replica is stopped"
+    )
+    teardown_timeout_s: float = Field(
+        30.0, gt=0.0, description="then: stopping the manager, freeing the KV cache, reaping tensor-parallel ranks"
+    )
     health_check_period_s: float = Field(10.0, gt=0.0)
 
     @field_validator("max_queued_requests")

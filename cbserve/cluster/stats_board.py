@@ -16,12 +16,26 @@ class StatsBoard:
     def __init__(self, max_age_s: float = 30.0):
         self._max_age_s = max_age_s
         self._stats: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._ingress: dict[str, tuple[float, list[Any]]] = {}
 
     def report(self, replica: str, stats: dict[str, Any]) -> None:
         self._stats[replica] = (time.monotonic(), dict(stats))
 
     def forget(self, replica: str) -> None:
         self._stats.pop(replica, None)
+
+    def report_ingress(self, ingress: str, families: list[Any]) -> None:
+        """An ingress replica's own counters and histograms (`ServingMetrics.export`), pushed every
+        stats period and before it answers a scrape: /metrics then shows every ingress replica's
+        series, whichever one the scrape reached."""
+        self._ingress[ingress] = (time.monotonic(), families)
+
+    def snapshot_all(self) -> dict[str, Any]:
+        """{"workers": `snapshot()`, "ingress": {ingress replica: its families}}."""
+        now = time.monotonic()
+        for ingress in [r for r, (t, _) in self._ingress.items() if now - t > self._max_age_s]:
+            del self._ingress[ingress]
+        return {"workers": self.snapshot(), "ingress": {r: f for r, (_, f) in self._ingress.items()}}
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()

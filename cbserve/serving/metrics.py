@@ -1,8 +1,13 @@
 """Prometheus metrics of the ingress, with vLLM's names where vLLM has the metric.
 
 Latency histograms and token counters are measured in the ingress, per choice. Engine state
-(requests running and waiting, KV usage, prefix-cache hits) comes from the workers' latest
-stats on the `StatsBoard`, one series per worker replica.
+(requests running and waiting, KV usage, prefix-cache hits, preemptions) comes from the workers'
+latest stats on the `StatsBoard`, one series per worker replica (label `replica`).
+
+With several ingress replicas a scrape reaches one of them; each pushes its own counters and
+histograms (`export()`) to the board, and `render` shows every ingress replica's series under
+the label `ingress`, so what a scrape returns does not depend on which replica answered it
+(`sum without (ingress, replica)` gives the app's totals).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class WorkerStatsCollector:
         )
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       lambda s: s.get("prefix_hit_tokens", 0))
+        yield counter("vllm:num_preemptions", "Requests preempted by the engine (pages needed elsewhere).",
+                      lambda s: s.get("preemptions", 0))
         replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
                                      labels=["model_name"])
         replicas.add_metric([self._model_name], float(len(self.snapshot)))
@@ -115,11 +122,49 @@ class ServingMetrics:
         self.http_errors = Counter("cbserve:http_errors", "Requests refused, by HTTP status.",
                                    ["model_name", "status"], registry=r)
         self.workers = WorkerStatsCollector(model_name)
-        r.register(self.workers)
 
     def timer(self, arrival: float, prompt_tokens: int) -> ChoiceTimer:
         return ChoiceTimer(self, arrival, prompt_tokens)
 
-    def render(self, worker_snapshot: dict[str, dict[str, Any]] | None) -> bytes:
+    def export(self) -> list[Any]:
+        """This ingress replica's counters and histograms as plain data, for the stats board."""
+        return [
+            [m.name, m.documentation, m.type, m.unit, [[x.name, dict(x.labels), x.value] for x in m.samples]]
+            for m in self.registry.collect()
+        ]
+
+    def render(self, worker_snapshot: dict[str, dict[str, Any]] | None,
+               ingress_snapshot: dict[str, list[Any]] | None = None) -> bytes:
+        """The exposition text: the workers' engine series and, given every ingress replica's
+        `export()`, theirs labelled `ingress`; else this process's own."""
         self.workers.snapshot = worker_snapshot or {}
-        return generate_latest(self.registry)
+        out = CollectorRegistry(auto_describe=False)
+        out.register(IngressSeries(self.registry, ingress_snapshot, self.model_name))
+        out.register(self.workers)
+        return generate_latest(out)
+
+
+class IngressSeries:
+    """The ingress replicas' families, merged by name (one HELP and TYPE each)."""
+
+    def __init__(self, own: CollectorRegistry, snapshot: dict[str, list[Any]] | None, model_name: str):
+        self._own, self._snapshot, self._model_name = own, snapshot, model_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self._snapshot is None:
+            yield from self._own.collect()
+            return
+        families: dict[str, Metric] = {}
+        for ingress, exported in sorted(self._snapshot.items()):
+            for name, doc, typ, unit, samples in exported:
+                family = families.setdefault(name, Metric(name, doc, typ, unit))
+                for sample_name, labels, value in samples:
+                    family.add_sample(sample_name, {**labels, "ingress": ingress}, value)
+        yield from families.values()
+        count = GaugeMetricFamily("cbserve:ingress_replicas", "Ingress replicas reporting metrics.",
+                                  labels=["model_name"])
+        count.add_metric([self._model_name], float(len(self._snapshot)))
+        yield count

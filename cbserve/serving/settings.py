@@ -4,7 +4,7 @@ read from `ray_config.yaml`."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,17 +31,28 @@ class LimitsConfig(Strict):
 
 
 class RoutingConfig(Strict):
-    """Prefix affinity, then least outstanding requests (see `cbserve/cluster/router.py`)."""
+    """Consistent hashing with bounded loads of the prompt's leading chunks, power-of-two choices
+    for prompts shorter than a chunk (see `cbserve/cluster/balance.py`)."""
 
     enabled: bool = Field(True, description="False: Serve's default power-of-two-choices router")
-    imbalance_threshold: int = Field(
-        4, ge=0, description="leave the affine replica when its queue exceeds the shortest by more than this"
+    load_factor: float = Field(
+        1.25, ge=1.0, description="a prefix's replica takes it while its queue is below this x the mean queue"
     )
+    imbalance_threshold: int = Field(
+        4, ge=0, description="... plus this many requests (light load never breaks prefix affinity)"
+    )
+    key_chunks: int = Field(1, ge=1, description="leading prefix chunks hashed into the routing key")
+    virtual_nodes: int = Field(64, ge=1, description="points of each replica on the hash ring")
     chunk_chars: int = Field(128, ge=8, description="characters per hashed prefix chunk of a text prompt")
     chunk_tokens: int = Field(32, ge=1, description="tokens per hashed prefix chunk of a token-id prompt")
     max_chunks: int = Field(64, ge=1, description="prefix chunks hashed per request")
-    table_size: int = Field(100_000, ge=1, description="prefix hashes remembered by each router (LRU)")
     stats_period_s: float = Field(1.0, gt=0.0, description="how often replicas report routing stats")
+    request_router_class: str | None = Field(
+        None, description="another Serve RequestRouter (import path `module:Class`) instead of ours"
+    )
+    request_router_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="its `initialize_state` arguments"
+    )
 
 
 class ServiceArgs(Protocol):
