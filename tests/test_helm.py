@@ -5,14 +5,22 @@ and `values.yaml` has the documented keys.
 
 With Helm (its Go SDK, from the `helm-python-sdk` package: `pip install helm-python-sdk==0.2.2`):
 `helm lint`, and every template rendered for the default values and for other value sets
-(`tp_size: 4`, autoscaling, the API key, the ServiceMonitor), checked as YAML, the RayService
-against the fields KubeRay requires, and `serveConfigV2` against Ray's own `ServeDeploySchema`.
+(`tp_size` 1 to 8, `values-8gpu.yaml`, autoscaling, the API key, the ServiceMonitor, a weights
+volume or download, worker groups per accelerator type, the batch job on a shared volume),
+checked as YAML, the RayService and RayJob against KubeRay's CRD schema (ray.io/v1, kept in
+`tests/data/kuberay_v1_schemas.json.gz`: no unknown field, which Kubernetes would silently drop),
+pod resources against what a replica asks Ray for, and `serveConfigV2` against Ray's own
+`ServeDeploySchema`.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import gzip
+import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,14 @@ DOCUMENTED_KEYS = [
     "model.name",
     "model.servedModelName",
     "model.dtype",
+    "model.mountPath",
+    "model.volume",
+    "model.download.enabled",
+    "model.download.uri",
+    "model.download.image",
+    "model.download.endpointUrl",
+    "model.download.secretName",
+    "model.download.sizeLimit",
     "tp_size",
     "autoscaling.enabled",
     "autoscaling.minReplicas",
@@ -54,6 +70,9 @@ DOCUMENTED_KEYS = [
     "head.affinity",
     "worker.groupName",
     "worker.cpusPerRank",
+    "worker.memoryPerRankGi",
+    "worker.extraCpus",
+    "worker.groups",
     "worker.rayStartParams",
     "worker.resources",
     "worker.nodeSelector",
@@ -64,6 +83,14 @@ DOCUMENTED_KEYS = [
     "serviceMonitor.interval",
     "serviceMonitor.scrapeTimeout",
     "serviceMonitor.labels",
+    "shared.volume",
+    "shared.mountPath",
+    "batch.enabled",
+    "batch.input",
+    "batch.output",
+    "batch.replicas",
+    "batch.args",
+    "batch.ttlSecondsAfterFinished",
 ]
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -90,7 +117,8 @@ def test_chart_files_are_yaml() -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
     assert isinstance(_load(CHART / "values.yaml"), dict)
     templates = sorted(p.name for p in (CHART / "templates").iterdir())
-    assert {"rayservice.yaml", "servicemonitor.yaml", "_helpers.tpl"} <= set(templates)
+    assert {"rayservice.yaml", "servicemonitor.yaml", "batchjob.yaml", "_helpers.tpl"} <= set(templates)
+    assert _load(CHART / "values-8gpu.yaml")["tp_size"] == 8
 
 
 def test_serve_config_copy_equals_ray_config() -> None:
@@ -107,6 +135,8 @@ def test_values_have_the_documented_keys() -> None:
         _get(values, key)
     assert values["tp_size"] == 1 and values["autoscaling"]["enabled"] is True
     assert values["apiKey"]["existingSecret"] == "" and values["serviceMonitor"]["enabled"] is False
+    assert values["worker"]["resources"] == {}  # sized from tp_size
+    assert values["batch"]["enabled"] is False and values["shared"]["volume"] == {}
 
 
 # ---- with Helm ----------------------------------------------------------------------------------
@@ -152,7 +182,40 @@ def render(helm: Any, values: dict[str, Any] | None) -> dict[str, list[dict[str,
 
 def rayservice(docs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     (svc,) = docs["rayservice.yaml"]
+    check_crd_schema(svc)
     return svc
+
+
+@functools.cache
+def crd_schemas() -> dict[str, Any]:
+    with gzip.open(REPO / "tests" / "data" / "kuberay_v1_schemas.json.gz") as f:
+        return json.load(f)
+
+
+def unknown_fields(doc: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Keys of `doc` that `schema` does not define (Kubernetes prunes them without a word)."""
+    if isinstance(doc, list):
+        return [u for i, item in enumerate(doc) for u in unknown_fields(item, schema.get("items", {}), f"{path}[{i}]")]
+    if not isinstance(doc, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    props = schema.get("properties")
+    if props is None:
+        extra = schema.get("additionalProperties")
+        return [u for k, v in doc.items() for u in unknown_fields(v, extra, f"{path}.{k}")] if isinstance(
+            extra, dict) else []
+    out: list[str] = []
+    for k, v in doc.items():
+        out += unknown_fields(v, props[k], f"{path}.{k}") if k in props else [f"{path}.{k}"]
+    return out
+
+
+def check_crd_schema(doc: dict[str, Any]) -> None:
+    """`doc` (a RayService or RayJob) as KubeRay's CRD (ray.io/v1) would admit it."""
+    import jsonschema
+
+    schema = crd_schemas()[doc["kind"]]
+    jsonschema.Draft7Validator(schema).validate(doc)
+    assert not unknown_fields(doc, schema), unknown_fields(doc, schema)
 
 
 def check_kuberay_fields(svc: dict[str, Any]) -> None:
@@ -240,7 +303,7 @@ def test_default_values_render_the_serve_config_of_ray_config(helm: Any) -> None
     assert (worker["minReplicas"], worker["maxReplicas"]) == (1, 4)
     container = worker["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container["resources"]["requests"] == {"cpu": "8", "memory": "32Gi"}
+    assert container["resources"]["requests"] == {"cpu": "2", "memory": "32Gi"}  # 1 rank x 1 CPU + 1; 32Gi per rank
     assert worker["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     for group in (cluster["headGroupSpec"], worker):
         assert "env" not in group["template"]["spec"]["containers"][0]  # no API key by default
@@ -314,10 +377,143 @@ def test_fixed_replicas_without_autoscaling(helm: Any) -> None:
         ({"tp_size": 0}, "tp_size must be at least 1"),
         ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas <= maxReplicas"),
         ({"autoscaling": {"enabled": False}, "replicas": 0}, "replicas must be at least 1"),
-    ({"tp_size": 8}, "a GPU worker pod has 8 CPUs but a replica needs"),
+    ({"tp_size": 8, "worker": {"resources": {"limits": {"cpu": "8"}}}}, "a GPU worker pod has 8 CPUs but a replica needs"),
     ({"worker": {"resources": {"limits": {"cpu": "1500m"}}}, "tp_size": 2}, "has 1.5 CPUs"),
+    ({"worker": {"groups": [{"name": "h100", "resources": {"requests": {"cpu": "2"}}}]}, "tp_size": 2}, "has 2 CPUs"),
+    ({"worker": {"extraCpus": 0.1}}, "must cover the ingress and stats board"),
+    ({"model": {"download": {"enabled": True}}}, "needs model.download.uri"),
+    ({"batch": {"enabled": True}}, "batch.enabled needs shared.volume"),
+    ({"batch": {"enabled": True, "output": "/tmp/out.jsonl"}, "shared": {"volume": {"emptyDir": {}}}},
+     "batch.output .* must be under shared.mountPath"),
     ],
 )
 def test_bad_values_fail_with_a_message(helm: Any, values: dict[str, Any], message: str) -> None:
     with pytest.raises(Exception, match=message):
         render(helm, values)
+
+
+# ---- sizing for tp 1 to 8, the 8-GPU values file, weights, accelerator groups, the batch job ----
+
+
+def _cores(quantity: str | float) -> float:
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _gib(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
+def check_pods_hold_a_replica(svc: dict[str, Any]) -> None:
+    """Every GPU worker pod holds one whole replica as Ray would place it: tp_size bundles of
+    {CPU: num_cpus, GPU: num_gpus} (STRICT_PACK: one pod), plus the ingress and stats board
+    replicas (serve ingressCpus each) that may land there too."""
+    cfg = serve_config(svc)
+    args = app_args(cfg)
+    tp, w = args["tp_size"], args["worker"]
+    small = sum(d["ray_actor_options"]["num_cpus"] for d in cfg["applications"][0]["deployments"])
+    for group in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        res = group["template"]["spec"]["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == tp == tp * w["num_gpus"]
+        for side in ("requests", "limits"):
+            assert _cores(res[side]["cpu"]) >= tp * w["num_cpus"] + small, (group["groupName"], res)
+        offload = args.get("cpu_offload", {}).get("per_node_gib", 0)
+        assert _gib(res["requests"]["memory"]) >= offload
+
+
+@pytest.mark.parametrize("tp", range(1, 9))
+def test_default_values_size_the_pods_for_every_tp_size(helm: Any, tp: int) -> None:
+    svc = rayservice(render(helm, {"tp_size": tp}))
+    check_kuberay_fields(svc)
+    check_pods_hold_a_replica(svc)
+    res = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": str(tp + 1), "memory": f"{32 * tp}Gi"}  # values.yaml: 1 CPU, 32Gi a rank
+
+
+def test_the_8gpu_values_file_installs_tp8(helm: Any) -> None:
+    values = _load(CHART / "values-8gpu.yaml")
+    assert not helm.lint(str(CHART), values, strict=True)["errors"]
+    svc = rayservice(render(helm, values))
+    check_kuberay_fields(svc)
+    check_pods_hold_a_replica(svc)
+    args = app_args(serve_config(svc))
+    assert args["tp_size"] == 8 and args["worker"]["num_cpus"] == 2 and args["engine"]["page_size"] == 128
+    (group,) = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"cpu": "18", "memory": "768Gi", "nvidia.com/gpu": 8}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.count": "8"}
+    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "llm-weights", "readOnly": True}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+
+
+def test_weights_from_a_volume_or_an_object_store(helm: Any) -> None:
+    pvc = {"model": {"name": "/models/Qwen2.5-7B-Instruct", "volume": {"hostPath": {"path": "/mnt/models"}}}}
+    svc = rayservice(render(helm, pvc))
+    cluster = svc["spec"]["rayClusterConfig"]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["volumes"] == [{"name": "model", "hostPath": {"path": "/mnt/models"}}]
+    assert "volumes" not in cluster["headGroupSpec"]["template"]["spec"]  # the head loads no model
+    assert app_args(serve_config(svc))["model"] == "/models/Qwen2.5-7B-Instruct"
+
+    s3 = {"model": {"name": "/models/Qwen2.5-7B-Instruct", "download": {
+        "enabled": True, "uri": "s3://weights/models/Qwen2.5-7B-Instruct", "endpointUrl": "http://minio:9000",
+        "secretName": "s3-creds"}}}
+    worker = rayservice(render(helm, s3))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    (init,) = worker["initContainers"]
+    assert "s3://weights/models/Qwen2.5-7B-Instruct" in init["args"][0]
+    assert "'/models/Qwen2.5-7B-Instruct'" in init["args"][0] or '"/models/Qwen2.5-7B-Instruct"' in init["args"][0]
+    assert "--endpoint-url" in init["args"][0] and init["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert worker["volumes"] == [{"name": "model", "emptyDir": {"sizeLimit": "200Gi"}}]
+    assert worker["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": False}]
+    assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+
+
+def test_a_worker_group_per_accelerator_type(helm: Any) -> None:
+    groups = [
+        {"name": "h100", "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+        {"name": "a100", "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}, "maxReplicas": 2,
+         "resources": {"requests": {"cpu": "12", "memory": "200Gi"}, "limits": {"cpu": "12", "memory": "200Gi"}}},
+    ]
+    svc = rayservice(render(helm, {"tp_size": 4, "worker": {"groups": groups}}))
+    check_pods_hold_a_replica(svc)
+    h100, a100 = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert (h100["groupName"], h100["minReplicas"], h100["maxReplicas"]) == ("h100", 1, 4)
+    assert (a100["groupName"], a100["minReplicas"], a100["maxReplicas"]) == ("a100", 0, 2)
+    assert h100["template"]["spec"]["nodeSelector"] == groups[0]["nodeSelector"]
+    assert a100["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "12"
+    assert h100["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "5"
+    for g in (h100, a100):  # worker.tolerations apply to every group
+        assert g["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_the_batch_job_reads_and_writes_the_shared_volume(helm: Any) -> None:
+    shared = {"persistentVolumeClaim": {"claimName": "cbserve-shared"}}
+    values = {"tp_size": 2, "model": {"name": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+              "shared": {"volume": shared},
+              "batch": {"enabled": True, "replicas": 3, "output": "/shared/out/run1.jsonl", "args": ["--max-tokens", "64"]}}
+    docs = render(helm, values)
+    (job,) = docs["batchjob.yaml"]
+    check_crd_schema(job)
+    spec = job["spec"]
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:3] == ["python", "-m", "cbserve.batch"]
+    opts = {a: (b if not b.startswith("--") else "") for a, b in zip(argv[3:], [*argv[4:], "--"], strict=True)
+            if a.startswith("--")}
+    assert "--no-progress" in opts
+    assert opts["--input"] == "/shared/prompts.jsonl" and opts["--output"] == "/shared/out/run1.jsonl"
+    assert (opts["--tp-size"], opts["--replicas"], opts["--model"], opts["--max-tokens"]) == ("2", "3", "/models/m", "64")
+    assert json.loads(opts["--engine"])["page_size"] == 64
+    assert spec["shutdownAfterJobFinishes"] is True
+    cluster = spec["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]  # the driver writes the results from here
+    assert {"name": "shared", **shared} in head["volumes"]
+    assert {"name": "shared", "mountPath": "/shared"} in head["containers"][0]["volumeMounts"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert workers["replicas"] == 3 and workers["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"] == 2
+    # The serving cluster mounts it too (for `ray job submit` against it).
+    svc = rayservice(docs)
+    serving_head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "shared", "mountPath": "/shared"} in serving_head["containers"][0]["volumeMounts"]
+    assert docs["batchjob.yaml"] and render(helm, None)["batchjob.yaml"] == []

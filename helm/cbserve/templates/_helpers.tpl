@@ -34,44 +34,46 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- else if lt (int .Values.replicas) 1 -}}
 {{- fail "replicas must be at least 1 when autoscaling is disabled" -}}
 {{- end -}}
-{{- /* A worker pod must hold a whole replica (all its ranks: STRICT_PACK) plus the small deployments. */ -}}
-{{- $res := .Values.worker.resources | default dict -}}
-{{- $cpu := dig "limits" "cpu" (dig "requests" "cpu" "" $res) $res | toString -}}
-{{- if $cpu -}}
-{{- $cores := 0.0 -}}
-{{- if hasSuffix "m" $cpu -}}
-{{- $cores = divf (trimSuffix "m" $cpu | float64) 1000.0 -}}
-{{- else -}}
-{{- $cores = float64 $cpu -}}
+{{- if lt (float64 .Values.worker.extraCpus) (mulf 2.0 (float64 .Values.serve.ingressCpus)) -}}
+{{- fail (printf "worker.extraCpus (%v) must cover the ingress and stats board replicas a pod may hold: 2 x serve.ingressCpus = %v" .Values.worker.extraCpus (mulf 2.0 (float64 .Values.serve.ingressCpus))) -}}
 {{- end -}}
-{{- $need := addf (mulf (float64 .Values.worker.cpusPerRank) (float64 .Values.tp_size)) (mulf 2.0 (float64 .Values.serve.ingressCpus)) -}}
-{{- if lt $cores $need -}}
-{{- fail (printf "worker.resources: a GPU worker pod has %v CPUs but a replica needs worker.cpusPerRank x tp_size = %v x %v, plus %v for the ingress and stats board: raise the CPUs or lower worker.cpusPerRank" $cores .Values.worker.cpusPerRank .Values.tp_size (mulf 2.0 (float64 .Values.serve.ingressCpus))) -}}
+{{- range $g := include "cbserve.groups" . | fromYamlArray -}}
+{{- include "cbserve.checkPodCpus" (dict "root" $ "resources" (include "cbserve.workerResources" (dict "root" $ "group" $g) | fromYaml)) -}}
+{{- end -}}
+{{- if and .Values.model.download.enabled (not .Values.model.download.uri) -}}
+{{- fail "model.download.enabled needs model.download.uri (e.g. s3://bucket/models/NAME)" -}}
+{{- end -}}
+{{- if and .Values.model.download.enabled .Values.model.volume -}}
+{{- fail "model: set either volume or download, not both" -}}
+{{- end -}}
+{{- if .Values.batch.enabled -}}
+{{- if not .Values.shared.volume -}}
+{{- fail "batch.enabled needs shared.volume: the job's results would otherwise be written on its head pod's own disk and lost with it" -}}
+{{- end -}}
+{{- $root := printf "%s/" (trimSuffix "/" .Values.shared.mountPath) -}}
+{{- range $k := list "input" "output" -}}
+{{- if not (hasPrefix $root (get $.Values.batch $k)) -}}
+{{- fail (printf "batch.%s (%s) must be under shared.mountPath (%s)" $k (get $.Values.batch $k) $.Values.shared.mountPath) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
 
-{{/*
-The Serve config (serveConfigV2): files/serve_config.yaml (a copy of ray_config.yaml) with what
-depends on the Kubernetes cluster set from the values.
-*/}}
-{{- define "cbserve.serveConfig" -}}
+{{/* files/serve_config.yaml (a copy of ray_config.yaml), parsed. */}}
+{{- define "cbserve.fileConfig" -}}
 {{- $cfg := .Files.Get "files/serve_config.yaml" | fromYaml -}}
 {{- if hasKey $cfg "Error" -}}
 {{- fail (printf "files/serve_config.yaml: %s" $cfg.Error) -}}
 {{- end -}}
-{{- $http := $cfg.http_options | default dict -}}
-{{- $_ := set $http "host" "0.0.0.0" -}}
-{{- $_ := set $http "port" (int .Values.serve.httpPort) -}}
-{{- $_ := set $cfg "http_options" $http -}}
-{{- $grpc := $cfg.grpc_options | default dict -}}
-{{- $_ := set $grpc "port" (int .Values.serve.grpcPort) -}}
-{{- $_ := set $cfg "grpc_options" $grpc -}}
-{{- $apps := $cfg.applications | default list -}}
-{{- if ne (len $apps) 1 -}}
+{{- if ne (len ($cfg.applications | default list)) 1 -}}
 {{- fail "files/serve_config.yaml must hold exactly one application" -}}
 {{- end -}}
-{{- $app := index $apps 0 -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* The application's args: the file's, with what depends on the Kubernetes cluster set from the values. */}}
+{{- define "cbserve.args" -}}
+{{- $app := index (include "cbserve.fileConfig" . | fromYaml).applications 0 -}}
 {{- $args := $app.args | default dict -}}
 {{- $_ := set $args "tp_size" (int .Values.tp_size) -}}
 {{- with .Values.model.name }}{{ $_ := set $args "model" . }}{{ end -}}
@@ -93,8 +95,24 @@ depends on the Kubernetes cluster set from the values.
 {{- $_ := set $worker "num_replicas" (int .Values.replicas) -}}
 {{- end -}}
 {{- $_ := set $args "worker" $worker -}}
-{{- $args = mergeOverwrite $args (deepCopy .Values.serve.args) -}}
-{{- $_ := set $app "args" $args -}}
+{{- toYaml (mergeOverwrite $args (deepCopy .Values.serve.args)) -}}
+{{- end -}}
+
+{{/*
+The Serve config (serveConfigV2): files/serve_config.yaml with the bind address, ports, args
+(`cbserve.args`) and the small deployments' CPUs set from the values.
+*/}}
+{{- define "cbserve.serveConfig" -}}
+{{- $cfg := include "cbserve.fileConfig" . | fromYaml -}}
+{{- $http := $cfg.http_options | default dict -}}
+{{- $_ := set $http "host" "0.0.0.0" -}}
+{{- $_ := set $http "port" (int .Values.serve.httpPort) -}}
+{{- $_ := set $cfg "http_options" $http -}}
+{{- $grpc := $cfg.grpc_options | default dict -}}
+{{- $_ := set $grpc "port" (int .Values.serve.grpcPort) -}}
+{{- $_ := set $cfg "grpc_options" $grpc -}}
+{{- $app := index $cfg.applications 0 -}}
+{{- $_ := set $app "args" (include "cbserve.args" . | fromYaml) -}}
 {{- with .Values.serve.runtimeEnv }}{{ $_ := set $app "runtime_env" (deepCopy .) }}{{ end -}}
 {{- $deployments := $app.deployments | default list -}}
 {{- range $name := list "OpenAIIngress" "StatsBoard" -}}
@@ -102,6 +120,193 @@ depends on the Kubernetes cluster set from the values.
 {{- end -}}
 {{- $_ := set $app "deployments" $deployments -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* The worker groups: `worker.groups`, or one group named `worker.groupName` (a YAML list). */}}
+{{- define "cbserve.groups" -}}
+{{- $min := ternary .Values.autoscaling.minReplicas .Values.replicas .Values.autoscaling.enabled | int -}}
+{{- $max := ternary .Values.autoscaling.maxReplicas .Values.replicas .Values.autoscaling.enabled | int -}}
+{{- $out := list -}}
+{{- range $i, $g := .Values.worker.groups | default (list (dict "name" .Values.worker.groupName)) -}}
+{{- if not $g.name -}}{{- fail (printf "worker.groups[%d] needs a name" $i) -}}{{- end -}}
+{{- $group := merge (deepCopy $g) (dict "minReplicas" (ternary $min 0 (eq $i 0)) "maxReplicas" $max) -}}
+{{- if gt (int $group.minReplicas) (int $group.maxReplicas) -}}
+{{- fail (printf "worker group %s: minReplicas %v > maxReplicas %v" $group.name $group.minReplicas $group.maxReplicas) -}}
+{{- end -}}
+{{- $out = append $out $group -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/*
+Resources of a GPU worker pod (dict "root" $ "group" group): the group's or `worker.resources`
+if given, else sized from tp_size; the GPU limit is always tp_size.
+*/}}
+{{- define "cbserve.workerResources" -}}
+{{- $v := .root.Values -}}
+{{- $res := deepCopy (.group.resources | default $v.worker.resources | default dict) -}}
+{{- if not $res -}}
+{{- $tp := int $v.tp_size -}}
+{{- $cpu := addf (mulf (float64 $v.worker.cpusPerRank) (float64 $tp)) (float64 $v.worker.extraCpus) -}}
+{{- $offload := dig "cpu_offload" "per_node_gib" 0 (include "cbserve.args" .root | fromYaml) -}}
+{{- $mem := printf "%dGi" (int (ceil (addf (mulf (float64 $v.worker.memoryPerRankGi) (float64 $tp)) (float64 $offload)))) -}}
+{{- $cpuText := ternary (printf "%d" (int $cpu)) (printf "%dm" (int (mulf $cpu 1000.0))) (eq $cpu (float64 (int $cpu))) -}}
+{{- $res = dict "requests" (dict "cpu" $cpuText "memory" $mem) "limits" (dict "cpu" $cpuText "memory" $mem) -}}
+{{- end -}}
+{{- $limits := $res.limits | default dict -}}
+{{- $_ := set $limits "nvidia.com/gpu" (int $v.tp_size) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* A worker pod must hold a whole replica (all its ranks: STRICT_PACK) plus the small deployments. */}}
+{{- define "cbserve.checkPodCpus" -}}
+{{- $v := .root.Values -}}
+{{- $res := .resources -}}
+{{- $cpu := dig "requests" "cpu" (dig "limits" "cpu" "" $res) $res | toString -}}
+{{- if $cpu -}}
+{{- $cores := 0.0 -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $cores = divf (trimSuffix "m" $cpu | float64) 1000.0 -}}
+{{- else -}}
+{{- $cores = float64 $cpu -}}
+{{- end -}}
+{{- $need := addf (mulf (float64 $v.worker.cpusPerRank) (float64 $v.tp_size)) (mulf 2.0 (float64 $v.serve.ingressCpus)) -}}
+{{- if lt $cores $need -}}
+{{- fail (printf "worker.resources: a GPU worker pod has %v CPUs but a replica needs worker.cpusPerRank x tp_size = %v x %v, plus %v for the ingress and stats board: raise the CPUs or lower worker.cpusPerRank" $cores $v.worker.cpusPerRank $v.tp_size (mulf 2.0 (float64 $v.serve.ingressCpus))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes of a pod ("worker": with the model's); a YAML list, maybe empty. */}}
+{{- define "cbserve.volumes" -}}
+{{- $v := .root.Values -}}
+{{- $out := list -}}
+{{- if and .worker $v.model.volume -}}
+{{- $out = append $out (merge (dict "name" "model") (deepCopy $v.model.volume)) -}}
+{{- else if and .worker $v.model.download.enabled -}}
+{{- $out = append $out (dict "name" "model" "emptyDir" (dict "sizeLimit" $v.model.download.sizeLimit)) -}}
+{{- end -}}
+{{- with $v.shared.volume -}}
+{{- $out = append $out (merge (dict "name" "shared") (deepCopy .)) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{- define "cbserve.volumeMounts" -}}
+{{- $v := .root.Values -}}
+{{- $out := list -}}
+{{- if and .worker (or $v.model.volume $v.model.download.enabled) -}}
+{{- $out = append $out (dict "name" "model" "mountPath" $v.model.mountPath "readOnly" (not $v.model.download.enabled)) -}}
+{{- end -}}
+{{- if $v.shared.volume -}}
+{{- $out = append $out (dict "name" "shared" "mountPath" $v.shared.mountPath) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* The init container copying the weights from an object store (model.download). */}}
+{{- define "cbserve.downloadContainer" -}}
+{{- $d := .Values.model.download -}}
+{{- $dest := printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (base (trimSuffix "/" $d.uri)) -}}
+- name: fetch-weights
+  image: {{ $d.image | quote }}
+  command: ["sh", "-c"]
+  args:
+    - aws s3 sync --only-show-errors {{ if $d.endpointUrl }}--endpoint-url {{ $d.endpointUrl | quote }} {{ end }}{{ $d.uri | quote }} {{ $dest | quote }}
+  {{- with $d.secretName }}
+  envFrom:
+    - secretRef:
+        name: {{ . | quote }}
+  {{- end }}
+  volumeMounts:
+    - {name: model, mountPath: {{ .Values.model.mountPath | quote }}}
+{{- end -}}
+
+{{/* A pod template (dict "root" $ "worker" bool "name" container "resources" dict "group" group|nil). */}}
+{{- define "cbserve.podTemplate" -}}
+{{- $v := .root.Values -}}
+{{- $env := include "cbserve.env" .root | trim -}}
+{{- $volumes := include "cbserve.volumes" . | fromYamlArray -}}
+{{- $mounts := include "cbserve.volumeMounts" . | fromYamlArray -}}
+{{- $g := .group | default dict -}}
+{{- $side := ternary $v.worker $v.head .worker -}}
+metadata:
+  labels:
+    {{- include "cbserve.labels" .root | nindent 4 }}
+spec:
+  {{- with $v.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with ($g.nodeSelector | default $side.nodeSelector) }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with ($g.tolerations | default $side.tolerations) }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with ($g.affinity | default $side.affinity) }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if and .worker $v.model.download.enabled }}
+  initContainers:
+    {{- include "cbserve.downloadContainer" .root | nindent 4 }}
+  {{- end }}
+  {{- with $volumes }}
+  volumes:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .name }}
+      image: {{ printf "%s:%s" $v.image.repository ($v.image.tag | toString) | quote }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      ports:
+        {{- if not .worker }}
+        - {name: gcs-server, containerPort: 6379}
+        - {name: dashboard, containerPort: 8265}
+        - {name: client, containerPort: 10001}
+        {{- end }}
+        - {name: serve, containerPort: {{ int $v.serve.httpPort }}}
+        - {name: grpc, containerPort: {{ int $v.serve.grpcPort }}}
+      {{- with .resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if $env }}
+      env:
+        {{- $env | nindent 8 }}
+      {{- end }}
+      {{- with $mounts }}
+      volumeMounts:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end -}}
+
+{{/* The head group (no CPUs for Ray: it runs no replica). */}}
+{{- define "cbserve.headGroup" -}}
+{{- $params := merge (dict "num-cpus" "0") (deepCopy .Values.head.rayStartParams) (dict "dashboard-host" "0.0.0.0") -}}
+rayStartParams:
+  {{- include "cbserve.rayStartParams" $params | nindent 2 }}
+template:
+  {{- include "cbserve.podTemplate" (dict "root" . "worker" false "name" "ray-head" "resources" .Values.head.resources) | nindent 2 }}
+{{- end -}}
+
+{{/* The GPU worker groups (a YAML list). */}}
+{{- define "cbserve.workerGroups" -}}
+{{- range $g := include "cbserve.groups" . | fromYamlArray }}
+- groupName: {{ $g.name }}
+  replicas: {{ int $g.minReplicas }}
+  minReplicas: {{ int $g.minReplicas }}
+  maxReplicas: {{ int $g.maxReplicas }}
+  rayStartParams:
+    {{- include "cbserve.rayStartParams" $.Values.worker.rayStartParams | nindent 4 }}
+  template:
+    {{- $res := include "cbserve.workerResources" (dict "root" $ "group" $g) | fromYaml }}
+    {{- include "cbserve.podTemplate" (dict "root" $ "worker" true "name" "ray-worker" "resources" $res "group" $g) | nindent 4 }}
+{{- end }}
 {{- end -}}
 
 {{/* Environment of every Ray container: the API key from its Secret, then `env`. */}}
