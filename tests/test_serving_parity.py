@@ -403,8 +403,9 @@ def test_tool_choice_is_checked(service: OpenAIService) -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "bogus": True}},
+     "stream_options.bogus"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # only with stream: true
     ({"prompt": "hi", "response_format": {"type": "json_object", "extra": 1}}, "response_format.extra"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
@@ -461,3 +462,25 @@ def test_tokenize_and_detokenize_in_vllm_shape(loaded: tuple[Any, Any]) -> None:
     assert refused(tokenization.parse_tokenize, b'{"prompt": "x", "bogus": 1}').param == "bogus"
     info = tokenization.tokenizer_info(tok, CONTEXT)
     assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+
+
+def test_guidellm_request_shapes(service: OpenAIService) -> None:
+    """What GuideLLM sends (`stream_options.continuous_usage_stats`, `stop: null`, `ignore_eos`):
+    usage in every chunk, exactly the asked-for tokens."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    req = parse_request(json.dumps({"model": "tiny", "prompt": "the sea", "stream": True, "stream_options": options,
+                                    "max_tokens": 8, "stop": None, "ignore_eos": True}).encode(), CompletionRequest)
+
+    async def drain() -> list[Any]:
+        reply = await service.complete(req)
+        return [json.loads(x[6:]) async for x in reply.stream if x != "data: [DONE]\n\n"]
+    chunks = _run(drain())
+    assert all(c["usage"] is not None for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "the sea"}]}]
+    chunks = chat_stream(service, messages=messages, stream_options=options, max_completion_tokens=6, stop=None,
+                         ignore_eos=True)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6 and all("tool_calls" not in c["choices"][0]["delta"]
+                                                                 for c in chunks if c["choices"])

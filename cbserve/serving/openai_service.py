@@ -45,6 +45,7 @@ from cbserve.serving.schemas import (
     CompletionResponse,
     DeltaMessage,
     SamplingFields,
+    StreamOptions,
     _new_id,
 )
 from cbserve.serving.settings import ServiceArgs
@@ -249,17 +250,23 @@ class OpenAIService:
 
     async def _sse_stream(self, streams: list[ChoiceStream], arrival: float, prompt_param: str, chunk: Chunk,
                           choice: Callable[[int, Piece], Any], first: list[Any], prompt_tokens: int,
-                          include_usage: bool) -> AsyncIterator[str]:
-        completion_tokens = 0
+                          options: StreamOptions | None) -> AsyncIterator[str]:
+        """The SSE lines; `options`: usage last (`include_usage`), and in every chunk too
+        (vLLM's `continuous_usage_stats`)."""
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        completion_tokens = generated = 0
         try:
             for c in first:
-                yield _sse(chunk([c], None))
+                yield _sse(chunk([c], usage(prompt_tokens, []) if continuous else None))
             async for i, piece in self._stream_pieces(streams, arrival):
                 completion_tokens += piece.completion_tokens
+                generated += len(piece.token_ids)
                 c = choice(i, piece)
+                so_far = usage(prompt_tokens, [Piece(completion_tokens=generated)]) if continuous else None
                 for one in c if isinstance(c, list) else [c]:
                     if one is not None:
-                        yield _sse(chunk([one], None))
+                        yield _sse(chunk([one], so_far))
             if include_usage:
                 yield _sse(chunk([], usage(prompt_tokens, [Piece(completion_tokens=completion_tokens)])))
         except Exception as exc:  # noqa: BLE001 - the client gets an error event, then [DONE]
@@ -285,11 +292,10 @@ class OpenAIService:
             def chunk(choices: list[Any], use: Any) -> CompletionChunk:
                 return CompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=use)
 
-            include = bool(req.stream_options and req.stream_options.include_usage)
             return Reply(replicas, stream=self._sse_stream(
                 streams, arrival, "prompt", chunk,
                 lambda i, p: completion_chunk_choice(i, p, req.logprobs, req.echo, req.prompt_logprobs), [],
-                prompt_tokens, include))
+                prompt_tokens, req.stream_options))
         results = await self._collect_all(streams, arrival)
         choices = [completion_choice(i, r, req.logprobs, req.echo, req.prompt_logprobs) for i, r in enumerate(results)]
         return Reply(replicas, body=CompletionResponse(id=rid, model=self.model_name, choices=choices,
@@ -316,11 +322,10 @@ class OpenAIService:
 
             roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(streams))]  # the role first, at once
-            include = bool(req.stream_options and req.stream_options.include_usage)
             per_choice = [rendering.stream(i) for i in range(len(streams))]
             return Reply(replicas, stream=self._sse_stream(
                 streams, arrival, "messages", chunk, lambda i, p: per_choice[i].chunks(p), roles, prompt_tokens,
-                include))
+                req.stream_options))
         results = await self._collect_all(streams, arrival)
         choices = [rendering.choice(i, r) for i, r in enumerate(results)]
         return Reply(replicas, body=ChatCompletionResponse(

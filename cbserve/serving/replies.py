@@ -150,8 +150,11 @@ def usage(prompt_tokens: int, results: list[Piece] | list[ChoiceResult]) -> Usag
 
 
 def _top_dict(entries: list[TopEntry], k: int, token: str, logprob: float) -> dict[str, float]:
-    """vLLM's completions `top_logprobs` entry: the k most likely tokens and the chosen one."""
-    top = {text: lp for _, text, lp in entries[:k]}
+    """vLLM's completions `top_logprobs` entry: the k most likely tokens and the chosen one, keyed
+    by text (of tokens that decode alike, the most likely one stays)."""
+    top: dict[str, float] = {}
+    for _, text, lp in entries[:k]:
+        top.setdefault(text, lp)
     top.setdefault(token, logprob)
     return top
 

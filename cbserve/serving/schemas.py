@@ -21,7 +21,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictFloat,
     StrictInt,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -54,6 +56,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: usage in every chunk (with include_usage)")
 
 
 # ---- structured outputs ------------------------------------------------------------------------
@@ -121,11 +124,18 @@ class SamplingFields(StructuredFields):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     repetition_penalty: float | None = Field(None, gt=0.0, strict=True)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     min_tokens: int | None = Field(None, ge=0, strict=True)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: bool = Field(False, strict=True)
+    skip_special_tokens: bool = Field(True, strict=True)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_with_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only with stream: true")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -124,13 +124,17 @@ class LogitsProcessing:
     @staticmethod
     def _repetition(logits: torch.Tensor, requests: list[Request], states: dict[int, _RowState]) -> None:
         """transformers' formula over the prompt and output tokens: divide positive logits by the
-        penalty, multiply negative ones."""
-        for i, state in states.items():
-            if state.seen is not None:
-                penalty = requests[i].sampling.repetition_penalty
-                score = logits[i]
-                penalized = torch.where(score < 0, score * penalty, score / penalty)
-                logits[i] = torch.where(state.seen, penalized, score)
+        penalty, multiply negative ones. All penalized rows at once."""
+        rows = [i for i, state in states.items() if state.seen is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        penalty = torch.tensor([requests[i].sampling.repetition_penalty for i in rows], device=logits.device,
+                               dtype=logits.dtype)[:, None]
+        score = logits.index_select(0, index)
+        penalized = torch.where(score < 0, score * penalty, score / penalty)
+        seen = torch.stack([states[i].seen for i in rows])  # type: ignore[misc]
+        logits.index_copy_(0, index, torch.where(seen, penalized, score))
 
     @staticmethod
     def _barred(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
@@ -146,11 +150,18 @@ class LogitsProcessing:
 
     @staticmethod
     def _penalties_and_bias(logits: torch.Tensor, requests: list[Request], states: dict[int, _RowState]) -> None:
-        """OpenAI's presence and frequency penalties over the output tokens, then logit_bias."""
-        for i, state in states.items():
-            p = requests[i].sampling
-            if state.counts is not None:
-                logits[i] -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0)
-            if p.logit_bias:
-                ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-                logits[i, ids] += torch.tensor([b for _, b in p.logit_bias], device=logits.device, dtype=logits.dtype)
+        """OpenAI's presence and frequency penalties over the output tokens, then logit_bias; all
+        rows at once."""
+        device = logits.device
+        rows = [i for i, state in states.items() if state.counts is not None]
+        if rows:
+            index = torch.tensor(rows, device=device)
+            counts = torch.stack([states[i].counts for i in rows])  # type: ignore[misc]
+            freq = torch.tensor([requests[i].sampling.frequency_penalty for i in rows], device=device)[:, None]
+            pres = torch.tensor([requests[i].sampling.presence_penalty for i in rows], device=device)[:, None]
+            logits.index_copy_(0, index, logits.index_select(0, index) - (freq * counts + pres * (counts > 0)))
+        bias = [(i, t, b) for i in states for t, b in requests[i].sampling.logit_bias]
+        if bias:
+            at = (torch.tensor([i for i, _, _ in bias], device=device), torch.tensor([t for _, t, _ in bias], device=device))
+            logits.index_put_(at, torch.tensor([b for _, _, b in bias], device=device, dtype=logits.dtype),
+                              accumulate=True)
