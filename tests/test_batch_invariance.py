@@ -7,14 +7,11 @@ has teeth."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 import cbserve
 from cbserve.kernels import backends, cpu_isa, cpu_kernels, packed_linear
-from cbserve.workers import engine as engine_module
 from tests.test_exactness import run_engine
 from tests.tiny_models import random_prompts, tiny_model
 
@@ -24,28 +21,6 @@ pytestmark = pytest.mark.skipif(bool(cpu_kernels.unavailable_reason()),
 MAX_NEW = 12
 TARGET_LEN = 45
 OTHERS = [3, 70, 16, 33, 120, 9, 57]
-
-
-@pytest.fixture(autouse=True)
-def engine_passes_the_flag(monkeypatch: pytest.MonkeyPatch):
-    """Until `EngineCore` hands `config.batch_invariant` to the kernel selection itself, do what it
-    will do: the backend's C++ kernel for every row and the C++ linear kernel for every layer."""
-    if "batch_invariant" in inspect.getsource(engine_module):
-        yield
-        return
-    wanted: list[bool | None] = [None]
-    select, kernels, pack = backends.select, backends.kernels, packed_linear.pack_linears
-    original_init = engine_module.EngineCore.__init__
-
-    def init(self, model, generation_config=None, config=None, *args, **kwargs):
-        wanted[0] = None if config is None else config.batch_invariant
-        original_init(self, model, generation_config, config, *args, **kwargs)
-
-    monkeypatch.setattr(engine_module.EngineCore, "__init__", init)
-    monkeypatch.setattr(backends, "select", lambda *a, **kw: select(*a, **{"batch_invariant": wanted[0], **kw}))
-    monkeypatch.setattr(backends, "kernels", lambda name, *a: kernels(name, wanted[0]))
-    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, *a: pack(model, wanted[0]))
-    yield
 
 
 def config(invariant: bool | None = True, **overrides) -> cbserve.ContinuousBatchingConfig:
@@ -134,6 +109,10 @@ def test_the_flag_is_refused_where_it_cannot_hold(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")  # no C++ linear path: oneDNN only, refused
     assert "batch-invariant mode needs the C++ linear kernel" in packed_linear.unavailable_reason(
         torch.device("cpu"), torch.float32, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True cannot be used here: the batch-invariant mode"):
+        run_engine(tiny_model("llama", dtype=torch.float32), [[1, 2, 3]], config(), 2)
+    _, engine = run_engine(tiny_model("llama", dtype=torch.float32), [[1, 2, 3]], config(None), 2)  # default: runs
+    assert engine.num_steps == 2
 
 
 @pytest.mark.default_model

@@ -55,6 +55,8 @@ def pack_weights_wanted(config: ContinuousBatchingConfig, device: torch.device, 
     reason = packed_linear.unavailable_reason(device, dtype, config.batch_invariant) or (
         "torch.compile does not trace oneDNN-packed weights" if compiled else "")
     wanted = config.prepack_weights
+    if config.batch_invariant and reason:  # the guarantee needs the C++ linear kernel on every layer
+        raise ValueError(f"batch_invariant=True cannot be used here: {reason}")
     if wanted and reason:
         raise ValueError(f"prepack_weights=True cannot be used here: {reason}")
     if wanted is None:
