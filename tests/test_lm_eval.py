@@ -80,7 +80,7 @@ def _samples(result: dict[str, Any], task: str) -> list[dict[str, Any]]:
     return sorted(result["samples"][task], key=lambda s: s["doc_id"])
 
 
-def _evaluate(tasks: Any, task: str, model: str, model_args: dict[str, Any]) -> dict[str, Any]:
+def _evaluate(tasks: Any, task: str, model: Any, model_args: dict[str, Any] | None = None) -> dict[str, Any]:
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task], task_manager=tasks,
                                    log_samples=True)
 
@@ -97,17 +97,21 @@ def test_loglikelihoods_equal_lm_evals_hf_model(server: str, tasks: Any) -> None
              for a, b in zip(s["filtered_resps"], h["filtered_resps"])]
     assert len(pairs) == 24
     worst = max(abs(a[0] - b[0]) for a, b in pairs)
+    print(f"largest loglikelihood difference from lm-eval's hf model: {worst:.2e} over {len(pairs)} requests")
     assert worst < 1e-3, f"largest loglikelihood difference {worst}"
     assert [a[1] for a, _ in pairs] == [b[1] for _, b in pairs]  # is_greedy, from the top logprobs
     assert served["results"]["cbserve_capitals"]["acc,none"] == local["results"]["cbserve_capitals"]["acc,none"]
 
 
 def test_generate_until_with_the_servers_tokenizer(server: str, tasks: Any) -> None:
+    from lm_eval.api.registry import get_model
+
     import cbserve
 
-    served = _evaluate(tasks, "cbserve_arithmetic", "local-completions", {
-        "model": SERVED, "base_url": server, "tokenizer_backend": "auto", "num_concurrent": 2, "max_retries": 1})
-    assert served["config"]["model_args"]["tokenizer_backend"] == "auto"
+    lm = get_model("local-completions")(model=SERVED, base_url=server, tokenizer_backend="auto", num_concurrent=2,
+                                        max_retries=1)
+    assert lm.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize
+    served = _evaluate(tasks, "cbserve_arithmetic", lm)
     local = _evaluate(tasks, "cbserve_arithmetic", "hf", {
         "pretrained": str(cbserve.models.checkpoint_folder()), "dtype": "float32", "device": "cpu"})
     texts = [s["filtered_resps"][0] for s in _samples(served, "cbserve_arithmetic")]

@@ -484,3 +484,31 @@ def test_guidellm_request_shapes(service: OpenAIService) -> None:
                          ignore_eos=True)
     assert chunks[-1]["usage"]["completion_tokens"] == 6 and all("tool_calls" not in c["choices"][0]["delta"]
                                                                  for c in chunks if c["choices"])
+
+
+def test_batch_lines_take_the_same_controls(manager: Any, loaded: tuple[Any, Any], info: ModelInfo) -> None:
+    """A batch job's line with sampling controls, a constraint and logprobs, through the replica's
+    request path and the fold every front uses, to its output record."""
+    from cbserve.batch.requests import RequestDefaults, to_result, to_worker_request
+    from cbserve.batch.schema import BatchLine, parse_line
+    from cbserve.serving.replies import fold
+
+    tok = loaded[1]
+    raw = {"id": "a", "prompt": "hello", "raw": True, "max_tokens": 12, "temperature": 0, "presence_penalty": 0.5,
+           "logit_bias": {"5": -10}, "guided_choice": ["paris", "tokyo"], "logprobs": True, "top_logprobs": 2,
+           "prompt_logprobs": 1}
+    line = parse_line(json.dumps(raw), 1)
+    assert isinstance(line, BatchLine)
+    wreq = to_worker_request(line, "batch-1", RequestDefaults(), chat_template=True)
+    result = _run(fold(run_request(manager, tok, info, wreq, "local")))
+    record = json.loads(to_result(line, 1, result).to_json())
+    assert record["text"] in ("paris", "tokyo") and record["finish_reason"] == "stop"
+    assert len(record["logprobs"]) == len(record["token_ids"]) == len(record["top_logprobs"])
+    assert all(len(top) == 2 for top in record["top_logprobs"])
+    assert record["prompt_logprobs"][0] is None and len(record["prompt_logprobs"]) == len(tok("hello").input_ids)
+    bad = parse_line(json.dumps({**raw, "guided_regex": "(unclosed", "guided_choice": None}), 2)
+    result = _run(fold(run_request(manager, tok, info, to_worker_request(bad, "batch-2", RequestDefaults(), True),
+                                   "local")))
+    record = json.loads(to_result(bad, 2, result).to_json())
+    assert record["error_type"] == "invalid_request" and "guided_regex" in record["error"]
+    assert parse_line(json.dumps({**raw, "frobnicate": 1}), 3).error_type == "invalid_line"
