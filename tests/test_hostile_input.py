@@ -72,9 +72,11 @@ COMPLETION = {"model": MODEL, "prompt": "the sea", "max_tokens": 3, "temperature
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "the sea"}], "max_tokens": 3, "temperature": 0}
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop",
                      "stream", "stream_options", "logprobs", "echo", "best_of", "suffix", "presence_penalty",
-                     "frequency_penalty", "user"]
+                     "frequency_penalty", "user", "min_p", "repetition_penalty", "logit_bias", "min_tokens",
+                     "ignore_eos", "stop_token_ids", "prompt_logprobs", "skip_special_tokens", "response_format",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"]
 CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "logprobs", "echo", "best_of", "suffix")] + [
-    "messages", "logprobs", "top_logprobs", "max_completion_tokens"]
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"]
 # Plausible-looking values too, so that mutations reach the deeper checks (worker, engine).
 field_values = st.one_of(
     json_values,
