@@ -37,6 +37,8 @@ def _args(model_dir: Path, **extra: Any) -> dict[str, Any]:
         "routing": {"chunk_chars": 16, "stats_period_s": 0.5},
     }
     args.update(extra)
+    # Several apps share this Ray's 4 CPUs: not `num_cpus: auto` (the whole node for one replica).
+    args["worker"] = {"num_cpus": 1.0, **args.get("worker", {})}
     return args
 
 

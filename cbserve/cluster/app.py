@@ -3,6 +3,9 @@
     ingress (FastAPI + gRPC)  --handle, PrefixAffinityRouter-->  engine replicas (one manager each;
             \\--> StatsBoard <-- replicas push their engine stats     the `LLMWorker` deployment)
 
+or, with one worker replica (`ClusterArgs.ingress_in_worker`), the ingress inside it
+(`colocated.py`): Serve's proxy --> `LLMWorker` (ingress routes + engine) --> StatsBoard.
+
 Every field of `args` is documented on `ClusterArgs` (`settings.py`) and in the README.
 """
 
@@ -15,10 +18,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
+from cbserve.cluster.colocated import OTHER_ROUTES_HEADROOM, IngressWorker
 from cbserve.cluster.engine_replica import DEPLOYMENT_NAME, EngineReplica
 from cbserve.cluster.ingress import OpenAIIngress
 from cbserve.cluster.ray_compat import DEFAULT_ROUTER_CLASS
-from cbserve.cluster.settings import ClusterArgs, WorkerConfig
+from cbserve.cluster.settings import ClusterArgs, WorkerConfig, cpus_per_rank, with_cpus
 from cbserve.cluster.stats_board import StatsBoard
 from cbserve.serving.settings import RoutingConfig
 
@@ -85,33 +89,68 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
         opts["autoscaling_config"] = autoscaling_config(w)
     else:
         opts["num_replicas"] = w.num_replicas
-    resources = {"CPU": w.num_cpus, "GPU": w.num_gpus}
+    cpus = cpus_per_rank(args)
+    resources = {"CPU": cpus, "GPU": w.num_gpus}
     if args.tp_size == 1:
-        opts["ray_actor_options"] = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus}
+        opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": w.num_gpus}
     else:
         # One bundle per tensor-parallel rank, packed on one node; the replica actor takes the
         # first bundle and starts the other ranks in the rest (`tp_ranks.py`).
         bundle = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
         opts["placement_group_bundles"] = [dict(bundle) for _ in range(args.tp_size)]
         opts["placement_group_strategy"] = "STRICT_PACK"
-        opts["ray_actor_options"] = {"num_cpus": w.num_cpus, "num_gpus": w.num_gpus}
+        opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": w.num_gpus}
     return opts
 
 
+def colocated_options(args: ClusterArgs) -> dict[str, Any]:
+    """The worker deployment with the ingress inside (`colocated.py`): the replica admits choices
+    itself (`Admission`, answering overload in OpenAI's shape), so Serve's own limits only have to
+    stay above it; Serve's default router balances replicas (there is no prefix to route by)."""
+    w, opts = args.worker, worker_options(args)
+    queued = w.max_queued_requests if w.max_queued_requests >= 0 else 10_000
+    opts["max_ongoing_requests"] = w.max_ongoing_requests + queued + OTHER_ROUTES_HEADROOM
+    opts["max_queued_requests"] = -1  # else a burst waiting to be routed at the proxy is refused in plain text
+    router = opts["request_router_config"]
+    if router.request_router_class == ROUTER_CLASS:  # it routes by the prompt, which Serve's proxy never reads
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=DEFAULT_ROUTER_CLASS,
+            request_routing_stats_period_s=router.request_routing_stats_period_s,  # the replica pushes stats then
+            request_routing_stats_timeout_s=router.request_routing_stats_timeout_s,
+        )
+    return opts
+
+
+def largest_node_cpus() -> float | None:
+    """CPUs of the largest alive node of the Ray cluster this runs in (None outside Ray): where
+    `worker.num_cpus: auto` is worked out (one worker replica per CPU node, less what Serve needs)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=None) or None
+    except Exception as exc:  # noqa: BLE001 - then this machine's CPU count
+        logger.warning("could not read the Ray cluster's nodes: %r", exc)
+        return None
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    cfg = ClusterArgs(**(args or {}))
+    cfg = with_cpus(ClusterArgs(**(args or {})), largest_node_cpus())
     plain = cfg.model_dump(mode="json")
     board = serve.deployment(StatsBoard).options(
         name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
         logging_config={"enable_access_log": False},  # replicas report every stats period
     ).bind()
+    logger.info("cbserve app: model %s, tp_size %d, worker %s, %g CPUs per rank, ingress %s", cfg.model_name,
+                cfg.tp_size, cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)", cfg.worker.num_cpus,
+                "in the worker" if cfg.ingress_in_worker else "own deployment")
+    if cfg.ingress_in_worker:
+        return serve.deployment(IngressWorker).options(**colocated_options(cfg)).bind(plain, board)
     replicas = serve.deployment(EngineReplica).options(**worker_options(cfg)).bind(plain, board)
-    ingress = serve.deployment(OpenAIIngress).options(
+    return serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
     ).bind(replicas, board, plain)
-    logger.info("cbserve app: model %s, tp_size %d, worker %s", cfg.model_name, cfg.tp_size,
-                cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)")
-    return ingress

@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cbserve.cluster.autoscaling import KV_USAGE, RUNNING, WAITING
 from cbserve.cluster.offload import offload_share_gib
-from cbserve.cluster.settings import ClusterArgs
+from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
@@ -53,7 +53,7 @@ def max_replicas(args: ClusterArgs) -> int:
 
 def per_replica_resources(args: ClusterArgs) -> dict[str, float]:
     w = args.worker
-    return {"CPU": w.num_cpus * args.tp_size, "GPU": w.num_gpus * args.tp_size}
+    return {"CPU": cpus_per_rank(args) * args.tp_size, "GPU": w.num_gpus * args.tp_size}
 
 
 def engine_config(args: ClusterArgs) -> dict[str, Any]:
@@ -65,6 +65,20 @@ def engine_config(args: ClusterArgs) -> dict[str, Any]:
     if tp > 1:  # the replica and its rank actors join their group themselves (`tp_ranks.py`)
         engine["tp_launcher"] = "external"
     return engine
+
+
+def _budget_threads(args: ClusterArgs) -> None:
+    """On a CPU node the model's torch threads are the CPUs this replica was given (Ray sets
+    OMP_NUM_THREADS to a whole number, 1 for a part-CPU); a GPU node's CPUs only feed the GPU."""
+    if args.worker.num_gpus > 0:
+        return
+    import torch
+
+    threads = torch_threads(args)
+    if torch.get_num_threads() != threads:
+        logger.info("torch threads: %d -> %d (worker.num_cpus %g)", torch.get_num_threads(), threads,
+                    args.worker.num_cpus)
+        torch.set_num_threads(threads)
 
 
 def _replica_id() -> str:
@@ -82,12 +96,13 @@ class EngineReplica:
 
         import cbserve
 
-        self.args = ClusterArgs(**args)
+        self.args = with_cpus(ClusterArgs(**args))  # build_app gave a number; else this node's CPUs
         self._board = board
         self.ranks: RankGroup | None = None
         self.replica = _replica_id()
         engine = engine_config(self.args)
         self.offload_gib = engine["cpu_offload_space"]
+        _budget_threads(self.args)
         if self.args.tp_size > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
             self.ranks = RankGroup(self.args.model, self.args.dtype, self.args.tp_size, engine, w.num_cpus,
@@ -112,7 +127,8 @@ class EngineReplica:
         logger.info("engine replica %s ready: %s", self.replica, self.args.model_name)
 
     async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
-        async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica):
+        interval_s = self.args.worker.stream_interval_ms / 1000
+        async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica, interval_s):
             yield ev
 
     def tokenize(self, work: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ The serving parts (generation defaults, limits, routing) are defined in `cbserve
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -13,6 +14,9 @@ from pydantic import Field, field_validator, model_validator
 from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What Serve's proxy, the ingress and Ray's own processes take of a CPU node while 32 streams run
+# (measured on 2 cores: README, "CPU budget").
+RESERVED_CPUS = 0.5
 API_KEY_ENV = "CBSERVE_API_KEY"
 
 
@@ -45,7 +49,14 @@ class WorkerConfig(Strict):
     target_waiting_requests: float | None = Field(
         2.0, ge=0.0, description="add replicas while the engines queue more than this many requests each"
     )
-    num_cpus: float = Field(1.0, ge=0.0, description="CPUs per tensor-parallel rank")
+    num_cpus: float | Literal["auto"] = Field(
+        "auto", description="CPUs per tensor-parallel rank (= its torch threads on a CPU node); auto: 1 with "
+                            "GPUs, else the node's CPUs less reserved_cpus, shared by the ranks"
+    )
+    reserved_cpus: float = Field(
+        RESERVED_CPUS, ge=0.0, description="with num_cpus auto on a CPU node: the node's CPUs left to Serve's "
+                                           "proxy, the ingress and Ray itself"
+    )
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs per tensor-parallel rank")
     max_ongoing_requests: int = Field(256, ge=1, description="requests one replica accepts at once")
     # Serve's `max_queued_requests`, counted at each caller (ingress replica): beyond
@@ -63,6 +74,17 @@ class WorkerConfig(Strict):
         30.0, gt=0.0, description="then: stopping the manager, freeing the KV cache, reaping tensor-parallel ranks"
     )
     health_check_period_s: float = Field(10.0, gt=0.0)
+    stream_interval_ms: float = Field(
+        0.0, ge=0.0, allow_inf_nan=False,
+        description="a stream's new tokens go out at most this often; 0: every engine step (Ray Serve LLM: 50)",
+    )
+
+    @field_validator("num_cpus")
+    @classmethod
+    def _non_negative_cpus(cls, v: float | str) -> float | str:
+        if v != "auto" and v < 0:
+            raise ValueError(f"num_cpus must be >= 0 or 'auto', got {v}")
+        return v
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -96,6 +118,11 @@ class ClusterArgs(Strict):
     cpu_offload: CpuOffloadConfig = Field(default_factory=CpuOffloadConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     ingress_replicas: int = Field(1, ge=1)
+    ingress_placement: Literal["auto", "worker", "own"] = Field(
+        "auto", description="worker: the ingress runs inside each worker replica (one process hop less); own: "
+                            "a deployment of its own, which routes by prompt prefix; auto: worker when there is "
+                            "a single worker replica and a single ingress replica"
+    )
     api_key: str | None = Field(None, description=f"required bearer token; also read from ${API_KEY_ENV}")
     metrics_require_api_key: bool = Field(
         False, description="True: GET /metrics needs the API key too (only /health stays open)"
@@ -112,6 +139,14 @@ class ClusterArgs(Strict):
         return self
 
     @property
+    def ingress_in_worker(self) -> bool:
+        if self.ingress_placement != "auto":
+            return self.ingress_placement == "worker"
+        w = self.worker
+        most = int(w.autoscaling.get("max_replicas", 1)) if w.autoscaling else w.num_replicas
+        return most == 1 and self.ingress_replicas == 1
+
+    @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
@@ -121,3 +156,30 @@ class ClusterArgs(Strict):
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def cpus_per_rank(args: ClusterArgs, node_cpus: float | None = None) -> float:
+    """`worker.num_cpus`, with "auto" worked out for a node of `node_cpus` CPUs (default: this
+    machine's): 1 per rank with GPUs (a GPU node's model does not run on its CPUs), else every CPU
+    but `reserved_cpus`, shared by the tensor-parallel ranks."""
+    w = args.worker
+    if w.num_cpus != "auto":
+        return float(w.num_cpus)
+    if w.num_gpus > 0:
+        return 1.0
+    cpus = float(node_cpus if node_cpus is not None else os.cpu_count() or 1)
+    return max(1.0, cpus - w.reserved_cpus) / args.tp_size
+
+
+def with_cpus(args: ClusterArgs, node_cpus: float | None = None) -> ClusterArgs:
+    """`args` with `worker.num_cpus` a number (`cpus_per_rank`)."""
+    if args.worker.num_cpus != "auto":
+        return args
+    worker = args.worker.model_copy(update={"num_cpus": cpus_per_rank(args, node_cpus)})
+    return args.model_copy(update={"worker": worker})
+
+
+def torch_threads(args: ClusterArgs, node_cpus: float | None = None) -> int:
+    """Torch threads of a rank on a CPU node: the CPUs it was given, a part-CPU counted whole
+    (the part the proxy and ingress take is short and bursty; the model's threads fill it)."""
+    return max(1, math.ceil(cpus_per_rank(args, node_cpus) - 1e-6))
