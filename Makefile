@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 # The whole Serve app on the default model: the OpenAI API at http://127.0.0.1:8000/v1.
+# `serve run ray_config.yaml` with a quick Ctrl-C: every open stream gets an explicit end first.
 serve: install
-	$(VENV)/bin/serve run ray_config.yaml
+	$(PY) -m cbserve.cluster.run ray_config.yaml
 
 # The engine alone, no Ray: a few chat prompts through generate_batch.
 generate: install

@@ -153,6 +153,9 @@ class IngressWorker(OpenAIIngress):
         async for ev in self.engine.generate(req):
             yield ev
 
+    def end_streams(self) -> int:
+        return self.engine.end_streams()
+
     def describe(self) -> dict[str, Any]:
         return self.engine.describe()
 

@@ -13,6 +13,7 @@ are freed. On scale-down Serve stops routing to the replica, waits for its ongoi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
 from cbserve.serving.constraints import Grammars
+from cbserve.serving.errors import ABORTED, error_event
 from cbserve.serving.generation import ModelInfo, run_request
 from cbserve.serving.metrics import kv_usage
 from cbserve.serving.protocol import WorkerEvent, WorkerRequest
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 # The deployment's name, as `serve status`, handles and the batch job's `--serve-app` see it.
 DEPLOYMENT_NAME = "LLMWorker"
+STOPPING = f"the server is stopping: {ABORTED}"
 TEARDOWN_SHARE_STOP = 0.5  # of teardown_timeout_s for the manager's last requests; the rest reaps TP ranks
 
 
@@ -100,6 +103,8 @@ class EngineReplica:
         self._board = board
         self.ranks: RankGroup | None = None
         self.replica = _replica_id()
+        self.stopping = False  # end_streams() was called: the server is going away
+        self._streams: set[str] = set()  # request ids of the streams running here
         engine = engine_config(self.args)
         self.offload_gib = engine["cpu_offload_space"]
         _budget_threads(self.args)
@@ -127,9 +132,28 @@ class EngineReplica:
         logger.info("engine replica %s ready: %s", self.replica, self.args.model_name)
 
     async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
+        if self.stopping:
+            yield error_event(503, STOPPING)
+            return
         interval_s = self.args.worker.stream_interval_ms / 1000
-        async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica, interval_s):
-            yield ev
+        self._streams.add(req.request_id)
+        try:
+            async for ev in run_request(self.manager, self.tokenizer, self.info, req, self.replica, interval_s):
+                yield ev
+        finally:
+            self._streams.discard(req.request_id)
+
+    def end_streams(self) -> int:
+        """The server is stopping (Ctrl-C on `cluster/run.py`): end every stream now, each with an
+        explicit end (its client gets the `ABORTED` error, then `[DONE]`), and refuse new ones.
+        Returns how many streams were running."""
+        if not self.stopping:
+            logger.info("engine replica %s: the server is stopping; ending %d streams", self.replica,
+                        len(self._streams))
+        self.stopping = True
+        for rid in list(self._streams):
+            self.manager.cancel_request(rid)
+        return len(self._streams)
 
     def tokenize(self, work: dict[str, Any]) -> dict[str, Any]:
         """vLLM's /tokenize (`serving/tokenization.py`); a refusal as {"error": {field, message}}."""
@@ -173,8 +197,16 @@ class EngineReplica:
         """Polled by Serve's controller; also pushes the full stats to the stats board."""
         s = self.stats()
         if self._board is not None:
-            self._board.report.remote(self.replica, s)
+            stopping = self._board.report.remote(self.replica, s)
+            asyncio.ensure_future(self._end_streams_if(stopping))
         return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s)}
+
+    async def _end_streams_if(self, stopping: Any) -> None:
+        try:
+            if await asyncio.wait_for(stopping, timeout=10):
+                self.end_streams()
+        except Exception as exc:  # noqa: BLE001 - the board is advisory; the next report asks again
+            logger.debug("stats board report failed: %r", exc)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its manager is stopped, its batching loop

@@ -4,6 +4,9 @@ Workers push their `manager.stats()` to it from `record_routing_stats` (which Se
 calls on every replica every `request_routing_stats_period_s`); the ingress reads it when
 `/metrics` is scraped. Serve routes a handle call to *some* replica, so this is how the
 ingress sees all of them.
+
+It also carries the one broadcast the app needs: `stop_streams()` (called by `cluster/run.py` on
+Ctrl-C) makes every later `report` answer True, and each replica then ends its streams at once.
 """
 
 from __future__ import annotations
@@ -17,9 +20,15 @@ class StatsBoard:
         self._max_age_s = max_age_s
         self._stats: dict[str, tuple[float, dict[str, Any]]] = {}
         self._ingress: dict[str, tuple[float, list[Any]]] = {}
+        self._stopping = False
 
-    def report(self, replica: str, stats: dict[str, Any]) -> None:
+    def report(self, replica: str, stats: dict[str, Any]) -> bool:
+        """Store a replica's stats; True when the server is stopping (`stop_streams`)."""
         self._stats[replica] = (time.monotonic(), dict(stats))
+        return self._stopping
+
+    def stop_streams(self) -> None:
+        self._stopping = True
 
     def forget(self, replica: str) -> None:
         self._stats.pop(replica, None)

@@ -1,0 +1,151 @@
+"""`python -m cbserve.cluster.run [ray_config.yaml]`: what `make serve` runs.
+
+Like `serve run ray_config.yaml` (a Ray of its own, Serve's proxies as the config says, each
+application built from its `import_path` and `args`, logs on the terminal), with a quick and
+explicit stop: on Ctrl-C (or SIGTERM) every stream in flight gets an explicit end (the error
+"the server is stopping ... retry it", then `data: [DONE]`; a waiting non-streaming request its
+503), and the whole server is gone within seconds, without tracebacks. `serve run` instead stops
+Serve's proxy first, which cuts every open stream without an end, and then waits for each
+deployment to drain (`graceful_shutdown_timeout_s`): tens of seconds.
+
+The stop: `StatsBoard.stop_streams()` (each worker replica learns it from its next stats report,
+`routing.stats_period_s`) and `end_streams()` on the worker deployment at once; then, once the
+replicas report no request left (at most `--stop-timeout` s), the Ray this process started is
+shut down. With `--address` (a Ray cluster that outlives this process), Serve is shut down instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger("cbserve.run")
+
+DEFAULT_CONFIG = "ray_config.yaml"
+BOARD, WORKER = "StatsBoard", "LLMWorker"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cbserve.cluster.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="a Serve config (default: ray_config.yaml)")
+    p.add_argument("--address", default=None,
+                   help="a running Ray cluster (e.g. auto); default: start a Ray of our own, as a laptop's "
+                        "`serve run` does")
+    p.add_argument("--stop-timeout", type=float, default=5.0,
+                   help="on Ctrl-C, wait at most this long for the streams' ends to go out")
+    return p.parse_args(argv)
+
+
+def _builder(import_path: str) -> Any:
+    """The application builder named `module:attr` (or `module.attr`)."""
+    module, sep, attr = import_path.partition(":")
+    if not sep:
+        module, _, attr = import_path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def start(config: dict[str, Any], address: str | None) -> list[str]:
+    """Ray, Serve's proxies and every application of `config`; returns the applications' names."""
+    import ray
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(config)
+    ray.init(address=address or "local", namespace="serve")
+    serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
+                grpc_options=schema.grpc_options.model_dump())
+    names = []
+    for app in schema.applications:
+        serve.run(_builder(app.import_path)(app.args), name=app.name, route_prefix=app.route_prefix,
+                  blocking=False)
+        names.append(app.name)
+    http = schema.http_options
+    logger.info("serving %s at http://%s:%s (Ctrl-C stops)", ", ".join(names), http.host, http.port)
+    return names
+
+
+def end_streams(apps: list[str], timeout_s: float) -> None:
+    """Every worker replica ends its streams; returns once none reports a request left, or after
+    `timeout_s`."""
+    from ray import serve
+
+    t0 = time.monotonic()
+    boards = []
+    for app in apps:
+        try:
+            board = serve.get_deployment_handle(BOARD, app_name=app)
+            board.stop_streams.remote()
+            serve.get_deployment_handle(WORKER, app_name=app).end_streams.remote()
+            boards.append(board)
+        except Exception as exc:  # noqa: BLE001 - an app that never started has nothing to end
+            logger.debug("app %s: %r", app, exc)
+    while boards and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.25)
+        if all(_drained(board, time.monotonic() - t0) for board in boards):
+            time.sleep(0.25)  # the last events on their way through the proxy
+            return
+
+
+def _drained(board: Any, since_s: float) -> bool:
+    """Every replica reported after the stop, with no request left."""
+    try:
+        snapshot = board.snapshot.remote().result(timeout_s=1.0)
+    except Exception:  # noqa: BLE001
+        return False
+    return all(s.get("age_s", since_s) < since_s and not s.get("live_requests") for s in snapshot.values())
+
+
+def stop(apps: list[str], own_ray: bool, timeout_s: float) -> None:
+    import ray
+    from ray import serve
+
+    t0 = time.monotonic()
+    if ray.is_initialized():
+        logger.info("stopping: ending the streams in flight")
+        end_streams(apps, timeout_s)
+        logger.info("streams ended (%.1f s); stopping %s", time.monotonic() - t0,
+                    "Ray" if own_ray else "Serve")
+        if not own_ray:
+            serve.shutdown()
+    ray.shutdown()
+    logger.info("stopped (%.1f s)", time.monotonic() - t0)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s -- %(message)s")
+    config = yaml.safe_load(Path(args.config).read_text())
+    signal.signal(signal.SIGTERM, _sigterm)
+    apps: list[str] = [app.get("name", "default") for app in config.get("applications", [])]
+    try:
+        start(config, args.address)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        stop(apps, own_ray=args.address is None, timeout_s=args.stop_timeout)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Everything is stopped: skip the interpreter's teardown of torch, gRPC and Ray's core
+        # worker, which takes seconds more.
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
