@@ -360,6 +360,23 @@ def test_tp4_autoscaling_api_key_and_service_monitor(helm: Any) -> None:
     }
 
 
+def test_one_replica_has_the_ingress_inside_the_worker(helm: Any) -> None:
+    """ingress_placement auto with one worker replica (ClusterArgs.ingress_in_worker): no OpenAIIngress
+    deployment to give CPUs to (Serve refuses a config naming a deployment the app does not have)."""
+    from cbserve.cluster.settings import ClusterArgs
+
+    for values, in_worker in (({"autoscaling": {"enabled": False}, "replicas": 1}, True),
+                              ({"autoscaling": {"minReplicas": 1, "maxReplicas": 1}}, True),
+                              ({"autoscaling": {"enabled": False}, "replicas": 1,
+                                "serve": {"args": {"ingress_placement": "own"}}}, False),
+                              (None, False)):
+        cfg = serve_config(rayservice(render(helm, values)))
+        (app,) = cfg["applications"]
+        assert ClusterArgs(**app["args"]).ingress_in_worker is in_worker
+        names = {d["name"] for d in app["deployments"]}
+        assert names == ({"StatsBoard"} if in_worker else {"OpenAIIngress", "StatsBoard"}), values
+
+
 def test_fixed_replicas_without_autoscaling(helm: Any) -> None:
     svc = rayservice(render(helm, {"autoscaling": {"enabled": False}, "replicas": 3}))
     check_kuberay_fields(svc)

@@ -112,10 +112,16 @@ The Serve config (serveConfigV2): files/serve_config.yaml with the bind address,
 {{- $_ := set $grpc "port" (int .Values.serve.grpcPort) -}}
 {{- $_ := set $cfg "grpc_options" $grpc -}}
 {{- $app := index $cfg.applications 0 -}}
-{{- $_ := set $app "args" (include "cbserve.args" . | fromYaml) -}}
+{{- $args := include "cbserve.args" . | fromYaml -}}
+{{- $_ := set $app "args" $args -}}
 {{- with .Values.serve.runtimeEnv }}{{ $_ := set $app "runtime_env" (deepCopy .) }}{{ end -}}
 {{- $deployments := $app.deployments | default list -}}
-{{- range $name := list "OpenAIIngress" "StatsBoard" -}}
+{{- /* ClusterArgs.ingress_in_worker: then the ingress is inside LLMWorker and has no deployment of its own */ -}}
+{{- $placement := $args.ingress_placement | default "auto" -}}
+{{- $most := $args.worker.num_replicas | default 1 | int -}}
+{{- if kindIs "map" $args.worker.autoscaling -}}{{- $most = $args.worker.autoscaling.max_replicas | default 1 | int -}}{{- end -}}
+{{- $inWorker := or (eq $placement "worker") (and (eq $placement "auto") (eq $most 1) (eq (int ($args.ingress_replicas | default 1)) 1)) -}}
+{{- range $name := ternary (list "StatsBoard") (list "OpenAIIngress" "StatsBoard") $inWorker -}}
 {{- $deployments = append $deployments (dict "name" $name "ray_actor_options" (dict "num_cpus" $.Values.serve.ingressCpus)) -}}
 {{- end -}}
 {{- $_ := set $app "deployments" $deployments -}}
