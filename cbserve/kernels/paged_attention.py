@@ -185,7 +185,7 @@ def paged_attention_forward(
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside the cbserve engine")
     layer = module.layer_idx
     k_cache, v_cache = cb_meta.k_caches[layer], cb_meta.v_caches[layer]
-    _, num_heads, num_tokens, head_dim = query.shape
+    num_tokens = query.shape[2]
     k_new = key[0].transpose(0, 1)  # [T, kvH, D]
     v_new = value[0].transpose(0, 1)
     # Static-shape compilation pads the batch: padded rows store nothing and stay zero.
@@ -197,7 +197,16 @@ def paged_attention_forward(
         return _kernel_attention(query, k_new, v_new, k_cache, v_cache, cb_meta, num_real, scaling,
                                  sliding_window, softcap), None
     store_kv(k_new, v_new, k_cache, v_cache, cb_meta.slot_mapping)
+    return _gathered_attention(query, key, value, k_cache, v_cache, cb_meta, num_real, scaling, sliding_window,
+                               softcap), None
 
+
+def _gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, cb_meta: AttentionMetadata, num_real: int, scaling: float | None,
+                        sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Without a varlen kernel: decode rows through the backend's decode kernel or SDPA over
+    gathered pages, prefill chunks through SDPA over their gathered context."""
+    _, num_heads, num_tokens, head_dim = query.shape
     out = (query.new_zeros if num_real < num_tokens else query.new_empty)(1, num_tokens, num_heads, head_dim)
     kv_heads = k_cache.shape[2]
     # Rows of whole tokens: index_select over a 2-D view is a row memcpy, several times faster
@@ -238,7 +247,7 @@ def paged_attention_forward(
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = attend(query[:, :, s:e], k, v, mask, scaling, softcap)
         out[0, s:e] = o[0].transpose(0, 1)
-    return out, None
+    return out
 
 
 def _kernel_attention(
