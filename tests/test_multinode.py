@@ -91,8 +91,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     from cbserve.cluster.app import build_app
 
     model_dir = tiny_model_dir(tmp_path_factory)
-    added = [k for k in PROXY_PATIENCE if k not in os.environ]
-    os.environ.update({k: PROXY_PATIENCE[k] for k in added})
+    # One proxy (on the head) for two ingress replicas: without the last variable it sends every
+    # request to an ingress replica on its own node when there is one, and one replica gets nothing.
+    env = {**PROXY_PATIENCE, "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}
+    added = [k for k in env if k not in os.environ]
+    os.environ.update({k: env[k] for k in added})
     # The dashboard answers `ray.util.state` (where each actor runs).
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "dashboard_port": free_port()})
     try:
