@@ -359,15 +359,15 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor y = at::empty(shape, x.options());
-  const int64_t m = k ? x.numel() / k : 0;
-  if (m == 0) return y;
-  if (k == 0) return y.zero_().add_(bias && bias->defined() ? *bias : at::zeros({out_features}, y.options()));
   std::optional<at::Tensor> b;
   if (bias && bias->defined()) {
     check(bias->scalar_type() == dtype && bias->numel() == out_features && bias->device().is_cpu(),
           "the bias must be a CPU tensor [out_features] of the input's dtype");
     b = bias->contiguous();
   }
+  if (y.numel() == 0) return y;
+  const int64_t m = y.numel() / out_features;
+  if (k == 0) return b ? y.copy_(b->expand_as(y)) : y.zero_();  // empty sums
   const PanelFn fn = panel_fn(isa);
   check(fn != nullptr, "this build has no kernel for the requested path (not an x86-64 build)");
   const int64_t elem = x.element_size();
