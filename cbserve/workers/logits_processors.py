@@ -8,7 +8,9 @@ tokens (sequence bias, no-repeat n-grams, bad words), so those match `generate()
 Per-request state lives here, keyed by request id, from its first sampled step until `forget`:
 which tokens its prompt and output hold (repetition penalty) and how often each output token
 came (presence and frequency penalties), its grammar's matcher (structured outputs), updated as
-tokens are appended.
+tokens are appended. The penalties touch only those tokens: each step gathers the (row, token)
+pairs of every penalized row and updates them at once, so their cost follows the tokens a
+request has seen, not the vocabulary, and a step makes a few tensor operations whatever its rows.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from cbserve.workers.structured import GrammarState, apply_masks
 
 @dataclass
 class _RowState:
-    seen: torch.Tensor | None = None  # bool [vocab]: in the prompt or the output
-    counts: torch.Tensor | None = None  # float [vocab]: occurrences in the output
+    seen: set[int] | None = None  # the tokens in the prompt or the output
+    counts: dict[int, int] | None = None  # token -> occurrences in the output
     before: list[LogitsProcessor] = field(default_factory=list)  # transformers' ones ahead of the penalty
     after: list[LogitsProcessor] = field(default_factory=list)  # and behind it
     grammar: GrammarState | None = None  # structured outputs
@@ -69,15 +71,13 @@ class LogitsProcessing:
         state = _RowState()
         state.before, state.after = _history_processors(p, request.eos_token_ids)
         if p.repetition_penalty != 1.0:
-            state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            state.seen[torch.tensor(request.tokens, device=device)] = True
+            state.seen = set(request.tokens)
         if request.grammar is not None:
             state.grammar = GrammarState(request.grammar)
         if p.presence_penalty or p.frequency_penalty:
-            state.counts = torch.zeros(self.vocab_size, device=device)
-            if request.generated:  # resumed after a preemption: the output so far counts
-                state.counts.index_add_(0, torch.tensor(request.generated, device=device),
-                                        torch.ones(len(request.generated), device=device))
+            state.counts = {}
+            for token in request.generated:  # resumed after a preemption: the output so far counts
+                state.counts[token] = state.counts.get(token, 0) + 1
         self._states[request.request_id] = state
         return state
 
@@ -87,9 +87,9 @@ class LogitsProcessing:
         if state is None:
             return
         if state.seen is not None:
-            state.seen[token] = True
+            state.seen.add(token)
         if state.counts is not None:
-            state.counts[token] += 1
+            state.counts[token] = state.counts.get(token, 0) + 1
         if state.grammar is not None:
             state.grammar.accept(token)
             request.grammar_done = state.grammar.matcher.is_terminated()
@@ -124,17 +124,21 @@ class LogitsProcessing:
     @staticmethod
     def _repetition(logits: torch.Tensor, requests: list[Request], states: dict[int, _RowState]) -> None:
         """transformers' formula over the prompt and output tokens: divide positive logits by the
-        penalty, multiply negative ones. All penalized rows at once."""
-        rows = [i for i, state in states.items() if state.seen is not None]
+        penalty, multiply negative ones; the seen tokens of every penalized row at once."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        penalties: list[float] = []
+        for i, state in states.items():
+            if state.seen is not None:
+                rows += [i] * len(state.seen)
+                tokens += state.seen
+                penalties += [requests[i].sampling.repetition_penalty] * len(state.seen)
         if not rows:
             return
-        index = torch.tensor(rows, device=logits.device)
-        penalty = torch.tensor([requests[i].sampling.repetition_penalty for i in rows], device=logits.device,
-                               dtype=logits.dtype)[:, None]
-        score = logits.index_select(0, index)
-        penalized = torch.where(score < 0, score * penalty, score / penalty)
-        seen = torch.stack([states[i].seen for i in rows])  # type: ignore[misc]
-        logits.index_copy_(0, index, torch.where(seen, penalized, score))
+        at = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        penalty = torch.tensor(penalties, device=logits.device, dtype=logits.dtype)
+        score = logits[at]
+        logits[at] = torch.where(score < 0, score * penalty, score / penalty)
 
     @staticmethod
     def _barred(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
@@ -150,18 +154,28 @@ class LogitsProcessing:
 
     @staticmethod
     def _penalties_and_bias(logits: torch.Tensor, requests: list[Request], states: dict[int, _RowState]) -> None:
-        """OpenAI's presence and frequency penalties over the output tokens, then logit_bias; all
-        rows at once."""
+        """OpenAI's presence and frequency penalties over the output tokens (frequency * count +
+        presence, in float32), then logit_bias; each over the tokens concerned, all rows at once."""
         device = logits.device
-        rows = [i for i, state in states.items() if state.counts is not None]
-        if rows:
-            index = torch.tensor(rows, device=device)
-            counts = torch.stack([states[i].counts for i in rows])  # type: ignore[misc]
-            freq = torch.tensor([requests[i].sampling.frequency_penalty for i in rows], device=device)[:, None]
-            pres = torch.tensor([requests[i].sampling.presence_penalty for i in rows], device=device)[:, None]
-            logits.index_copy_(0, index, logits.index_select(0, index) - (freq * counts + pres * (counts > 0)))
+        at: list[list[int]] = [[], []]
+        freq: list[float] = []
+        pres: list[float] = []
+        counts: list[int] = []
+        for i, state in states.items():
+            if state.counts:
+                p = requests[i].sampling
+                at[0] += [i] * len(state.counts)
+                at[1] += state.counts
+                counts += state.counts.values()
+                freq += [p.frequency_penalty] * len(state.counts)
+                pres += [p.presence_penalty] * len(state.counts)
+        if counts:
+            penalty = torch.tensor(freq) * torch.tensor(counts, dtype=torch.float32) + torch.tensor(pres)
+            logits.index_put_((torch.tensor(at[0], device=device), torch.tensor(at[1], device=device)),
+                              -penalty.to(device=device, dtype=logits.dtype), accumulate=True)
         bias = [(i, t, b) for i in states for t, b in requests[i].sampling.logit_bias]
         if bias:
-            at = (torch.tensor([i for i, _, _ in bias], device=device), torch.tensor([t for _, t, _ in bias], device=device))
-            logits.index_put_(at, torch.tensor([b for _, _, b in bias], device=device, dtype=logits.dtype),
+            rows_tokens = (torch.tensor([i for i, _, _ in bias], device=device),
+                           torch.tensor([t for _, t, _ in bias], device=device))
+            logits.index_put_(rows_tokens, torch.tensor([b for _, _, b in bias], device=device, dtype=logits.dtype),
                               accumulate=True)

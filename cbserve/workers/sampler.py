@@ -5,6 +5,8 @@ distribution the token was drawn from."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,27 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+# Below this many logits a step's sampling runs on one thread: its operations are a few
+# milliseconds' worth of memory traffic at most, and a team of threads costs more to gather than
+# it saves (measured on 2 loaded cores: argmax of 16 x 49,152 logits 6.0 ms on 2 threads, 1.2 ms
+# on 1; the clone 5.4 ms vs 0.14 ms).
+ONE_THREAD_MAX_LOGITS = 1 << 23
+
+
+@contextlib.contextmanager
+def _threads_for(logits: torch.Tensor) -> Iterator[None]:
+    """One intra-op thread for a small batch of logits on the CPU (restored afterwards)."""
+    threads = torch.get_num_threads()
+    if logits.device.type != "cpu" or threads == 1 or logits.numel() > ONE_THREAD_MAX_LOGITS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @dataclass
 class SampleResult:
     tokens: list[int]
@@ -87,7 +110,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
         """logits [rows, vocab] float32, one row per request. One token per row; logprobs when
         `want_logprobs` or a request asks for top logprobs."""
-        logits = self.processing(logits.cpu(), requests)
+        logits = logits.cpu()
+        with _threads_for(logits):
+            return self._sample(logits, requests, want_logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
+        logits = self.processing(logits, requests)
         params = [r.sampling for r in requests]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
