@@ -62,6 +62,7 @@ def start(config: dict[str, Any], address: str | None) -> list[str]:
 
     schema = ServeDeploySchema.model_validate(config)
     ray.init(address=address or "local", namespace="serve")
+    _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
                 grpc_options=schema.grpc_options.model_dump())
     names = []
@@ -121,15 +122,22 @@ def stop(apps: list[str], own_ray: bool, timeout_s: float) -> None:
     logger.info("stopped (%.1f s)", time.monotonic() - t0)
 
 
-def _sigterm(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both stop the server the quick way, even where SIGINT came in ignored
+    (a background job of a shell)."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s -- %(message)s")
     config = yaml.safe_load(Path(args.config).read_text())
-    signal.signal(signal.SIGTERM, _sigterm)
+    _stop_on_signals()
     apps: list[str] = [app.get("name", "default") for app in config.get("applications", [])]
     try:
         start(config, args.address)
