@@ -17,6 +17,7 @@ MODEL=${MODEL:-SmolLM2-135M-Instruct}
 ENDPOINT=${ENDPOINT:-/v1/completions}          # GuideLLM's request type: /v1/completions or /v1/chat/completions
 DATA=${DATA:-prompt_tokens=256,output_tokens=128}
 MAX_SECONDS=${MAX_SECONDS:-30}
+PROFILE=${PROFILE:-kind=sweep}                 # e.g. kind=synchronous, kind=concurrent,streams=8
 OUT=${OUT:-bench/results/guidellm.json}
 
 # GuideLLM in its own virtual environment: its pins (click, multidict) differ from the project's.
@@ -35,6 +36,6 @@ mkdir -p "$(dirname "$OUT")"
     --backend "kind=openai_http,target=$TARGET,model=$MODEL,request_format=$ENDPOINT" \
     --tokenizer "kind=huggingface_auto,model=$PROCESSOR" \
     --data "kind=synthetic_text,$DATA" \
-    --profile "kind=sweep" \
-    --constraints "kind=max_duration,seconds=$MAX_SECONDS" \
-    --outputs "kind=json,path=$OUT"
+    --profile "$PROFILE" \
+    --constraint "kind=max_duration,seconds=$MAX_SECONDS" \
+    --output "kind=json,path=$OUT" --output "kind=console"
