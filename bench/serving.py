@@ -1,0 +1,414 @@
+"""What serving costs: the same requests through the engine's own manager and over HTTP, one run.
+
+For each concurrency level, `C` clients run the same sequence of requests (token-id prompts of
+exactly `--prompt-tokens` tokens, `--max-tokens` new tokens, greedy) twice, back to back:
+
+- `engine`: in this process, a `ContinuousBatchingManager` built as the worker replica builds
+  it (the serve config's model, `dtype` and `engine` fields; torch threads = the worker's CPUs),
+  each client a task reading `manager.async_request_iter`;
+- `http`: streaming `POST /v1/completions` (aiohttp, server-sent events) against the app that
+  `make serve` starts (`python -m cbserve.cluster.run <config>`, here on free ports, stopped with
+  SIGINT at the end), or against `--url`.
+
+Per level and path: output tok/s (tokens of completed requests over the level's wall time),
+TTFT and inter-token latency p50/p90 (the engine's inter-token gaps are its step times at that
+batch), CPU time per output token (this process and the server's process tree: what serving
+costs, which a shared machine disturbs less than the rates), then the HTTP/engine ratios and the done-when checks of issue 21: HTTP tok/s >= 85% of
+the engine's, HTTP ITL p50 <= 1.3x the engine's step time, and at 1 client HTTP TTFT <= the
+engine's (the prefill time) + 50 ms. The machine's load average is printed with every phase.
+
+    python bench/serving.py --concurrency 1,32 --per-client 2
+    python bench/serving.py --url http://127.0.0.1:8000 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import load  # bench/load.py: the SSE client, percentiles, load averages
+
+DEFAULT_CONFIG = ROOT / "ray_config.yaml"
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def make_prompts(tokenizer: Any, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `length` token ids (random words from load.WORDS, cut)."""
+    prompts = []
+    for i in range(count):
+        rng = random.Random(f"serving-{seed}-{i}")
+        ids: list[int] = []
+        while len(ids) < length:
+            text = " ".join(rng.choice(load.WORDS) for _ in range(length))
+            ids += tokenizer(f"{load.TASKS[i % len(load.TASKS)]} {text}").input_ids
+        prompts.append(ids[:length])
+    return prompts
+
+
+@dataclass
+class Record:
+    """One request as its client saw it: when it started, when each chunk of tokens arrived."""
+
+    start: float
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: bool = True
+
+
+async def _closed_loop(concurrency: int, count: int, one: Any) -> tuple[list[Record], float]:
+    """`concurrency` clients run requests 0..count-1 in order, each after its previous one."""
+    records: list[Record | None] = [None] * count
+    next_index = 0
+
+    async def client() -> None:
+        nonlocal next_index
+        while next_index < count:
+            i, next_index = next_index, next_index + 1
+            records[i] = await one(i)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    done = [r for r in records if r is not None]
+    return done, max(r.end for r in done) - t0
+
+
+# -- engine ------------------------------------------------------------------------------------
+
+
+def start_engine(cfg: Any, threads: int) -> tuple[Any, Any, Any]:
+    """(manager, tokenizer, eos) built as `EngineReplica` builds them, torch on `threads` threads."""
+    import torch
+    from transformers import GenerationConfig
+
+    import cbserve
+    from cbserve.cluster.engine_replica import _eos_ids, engine_config
+
+    torch.set_num_threads(threads)
+    model, tokenizer = cbserve.load_model(cfg.model, dtype=cfg.dtype)
+    eos = _eos_ids(model, tokenizer)
+    manager = cbserve.init_continuous_batching(
+        model, generation_config=GenerationConfig(max_new_tokens=cfg.generation.max_tokens, eos_token_id=eos),
+        continuous_batching_config=cbserve.ContinuousBatchingConfig(**engine_config(cfg)),
+    )
+    manager.start()
+    return manager, tokenizer, eos
+
+
+async def engine_level(manager: Any, eos: Any, prompts: list[list[int]], concurrency: int,
+                       max_tokens: int) -> tuple[list[Record], float]:
+    async def one(i: int) -> Record:
+        rec = Record(start=time.perf_counter())
+        rid = manager.add_request(prompts[i], max_new_tokens=max_tokens, streaming=True, eos_token_id=eos,
+                                  temperature=0.0, top_k=0, top_p=1.0)
+        async for out in manager.async_request_iter(rid):
+            if out.new_tokens:
+                rec.chunk_times.append(time.perf_counter())
+                rec.tokens += len(out.new_tokens)
+        rec.end = time.perf_counter()
+        return rec
+
+    return await _closed_loop(concurrency, len(prompts), one)
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+async def http_level(target: load.Target, prompts: list[list[int]], concurrency: int,
+                     max_tokens: int, timeout: float) -> tuple[list[Record], float]:
+    import aiohttp
+
+    sampling = load.Sampling(endpoint="completions", temperature=0.0)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+
+        async def one(i: int) -> Record:
+            spec = load.RequestSpec(i, prompts[i], max_tokens)  # type: ignore[arg-type] - token ids
+            res = await load.stream_request(session, target, spec, sampling, timeout)
+            return Record(start=res.start, end=res.end, chunk_times=res.chunk_times, tokens=res.output_tokens,
+                          ok=res.ok)
+
+        return await _closed_loop(concurrency, len(prompts), one)
+
+
+def _free_ports(config: dict[str, Any]) -> int:
+    port = load.free_port()
+    config.setdefault("http_options", {})["port"] = port
+    if "grpc_options" in config:
+        config["grpc_options"]["port"] = load.free_port()
+    return port
+
+
+def start_server(stack: contextlib.ExitStack, config: dict[str, Any], log: Path, timeout: float) -> tuple[str, int]:
+    """`config` served as `make serve` serves it (`python -m cbserve.cluster.run`: a Ray of its own),
+    on free ports, in its own process group; SIGINT (Ctrl-C) at the end. Returns the base URL once
+    the API answers, and the server's process id."""
+    port = _free_ports(config)
+    path = log.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(config))
+    out = open(log, "wb")  # noqa: SIM115 - closed by the stack
+    stack.callback(out.close)
+    # Its own process group (for the SIGINT), but this session: with the kernel's autogroup
+    # scheduling a new session would get a CPU share of its own on a shared machine, which the
+    # in-process engine does not get.
+    proc = subprocess.Popen([sys.executable, "-m", "cbserve.cluster.run", str(path)], cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT, process_group=0)
+    stack.callback(stop_server, proc)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; log tail:\n{load._tail(log)}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
+            if r.status == 200:
+                return base, proc.pid
+        time.sleep(1.0)
+    raise RuntimeError(f"the server did not answer within {timeout:g} s; log tail:\n{load._tail(log)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops `make serve`; SIGKILL of the group if it has not ended in 30 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+# -- CPU time ----------------------------------------------------------------------------------
+
+
+def tree_cpu(root: int | None) -> dict[int, tuple[str, float]]:
+    """{pid: (process title, CPU seconds used so far)} of process `root` and its descendants
+    (Linux /proc; empty elsewhere). On a shared machine CPU time per token is steadier than tokens
+    per second."""
+    if root is None:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    parents, used = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pid = int(stat.parent.name)
+            parents[pid], used[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {root}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in tree}
+        tree |= frontier
+    out = {}
+    for pid in tree & used.keys():
+        with contextlib.suppress(OSError):
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            out[pid] = (title.split(".")[0] if title.startswith("ray::") else Path(title).name, used[pid])
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds used between two `tree_cpu` snapshots, by process title."""
+    out: dict[str, float] = {}
+    for pid, (title, cpu) in after.items():
+        out[title] = out.get(title, 0.0) + cpu - before.get(pid, (title, 0.0))[1]
+    return out
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def summarize(records: list[Record], wall: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    ttft = [r.chunk_times[0] - r.start for r in records if r.chunk_times]
+    itl = [b - a for r in records for a, b in pairwise(r.chunk_times)]
+    return {
+        "requests": len(records), "completed": len(ok), "output_tokens": tokens, "wall_s": wall,
+        "output_tokens_per_s": tokens / max(wall, 1e-9),
+        "ttft_p50": load.percentile(ttft, 50), "ttft_p90": load.percentile(ttft, 90),
+        "itl_p50": load.percentile(itl, 50), "itl_p90": load.percentile(itl, 90),
+        "tokens_per_chunk": sum(r.tokens for r in records) / max(1, sum(len(r.chunk_times) for r in records)),
+        "per_request_tokens": [r.tokens for r in records],
+    }
+
+
+def checks(level: int, engine: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]:
+    def div(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    out = {
+        "throughput_ratio": div(http["output_tokens_per_s"], engine["output_tokens_per_s"]),
+        "ttft_ratio": div(http["ttft_p50"], engine["ttft_p50"]),
+        "itl_ratio": div(http["itl_p50"], engine["itl_p50"]),
+        "ttft_extra_ms": None if http["ttft_p50"] is None or engine["ttft_p50"] is None
+        else 1000 * (http["ttft_p50"] - engine["ttft_p50"]),
+        "same_token_counts": engine["per_request_tokens"] == http["per_request_tokens"],
+        "cpu_ratio": div(http["cpu_ms_per_token"], engine["cpu_ms_per_token"]),
+    }
+    out["throughput_ok"] = (out["throughput_ratio"] or 0) >= 0.85
+    out["itl_ok"] = out["itl_ratio"] is not None and out["itl_ratio"] <= 1.3
+    if level == 1:
+        out["ttft_ok"] = out["ttft_extra_ms"] is not None and out["ttft_extra_ms"] <= 50
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def format_report(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'clients':>7} {'path':<7}{'ok':>5}{'out tok/s':>11}{'TTFT p50/p90 ms':>17}{'ITL p50/p90 ms':>16}"
+            f"{'tok/chunk':>10}{'CPU ms/tok':>11}{'load':>6}")
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        for path in ("engine", "http"):
+            s = row[path]
+            lines.append(f"{row['concurrency']:>7} {path:<7}{s['completed']:>5}{s['output_tokens_per_s']:>11.1f}"
+                         f"{_ms(s['ttft_p50']) + '/' + _ms(s['ttft_p90']):>17}"
+                         f"{_ms(s['itl_p50']) + '/' + _ms(s['itl_p90']):>16}{s['tokens_per_chunk']:>10.2f}"
+                         f"{s['cpu_ms_per_token']:>11.1f}{s['load'][0]:>6.1f}")
+        c = row["checks"]
+
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        verdict = ", ".join(f"{k[:-3]} {'ok' if v else 'MISSED'}" for k, v in c.items() if k.endswith("_ok"))
+        lines.append(f"{'':>7} http/engine: out tok/s {f(c['throughput_ratio'])}, TTFT p50 {f(c['ttft_ratio'])} "
+                     f"(+{f(c['ttft_extra_ms'])} ms), ITL p50 {f(c['itl_ratio'])}, CPU per token "
+                     f"{f(c['cpu_ratio'])}; same token counts: "
+                     f"{c['same_token_counts']}; {verdict}")
+    return "\n".join(lines)
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the Serve config (default: ray_config.yaml)")
+    p.add_argument("--model", default=None, help="override the config's args.model (an HF id or a folder)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override an args field, dotted: --set worker.num_cpus=2 --set engine.page_size=32")
+    p.add_argument("--url", default=None, help="measure this running server instead of starting one")
+    p.add_argument("--concurrency", default="1,32", help="comma-separated client counts, one level each")
+    p.add_argument("--per-client", type=int, default=2, help="requests per client and level (at least 8 a level)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="engine then HTTP, this many times per level")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests on each path first")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the in-process engine (default: what the worker replica uses)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--json", type=Path, default=None, help="write the full report here")
+    args = p.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def serve_config(args: argparse.Namespace) -> dict[str, Any]:
+    config = yaml.safe_load(args.config.read_text())
+    app_args = config["applications"][0].setdefault("args", {})
+    if args.model is not None:
+        app_args["model"] = args.model
+    for item in args.set:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = app_args
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = json.loads(value)
+    return config
+
+
+def _phase(name: str, level: int, coroutine: Any, server: int | None) -> dict[str, Any]:
+    before = load._loadavg()
+    print(f"  {name:<6} {level:>3} clients ... (load average {before})", flush=True)
+    cpu0 = own_cpu_s(), tree_cpu(server)
+    records, wall = asyncio.run(coroutine)
+    s = summarize(records, wall)
+    s["load"] = before or (float("nan"),) * 3
+    by_process = cpu_used(cpu0[1], tree_cpu(server))
+    s["server_cores"] = {k: round(v / wall, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1])}
+    s["cpu_s"] = {"bench": own_cpu_s() - cpu0[0], "server": sum(by_process.values())}
+    s["cpu_ms_per_token"] = 1000 * sum(s["cpu_s"].values()) / max(1, s["output_tokens"])
+    print(f"    {s['completed']}/{s['requests']} ok, {s['output_tokens_per_s']:.1f} out tok/s, TTFT p50 "
+          f"{_ms(s['ttft_p50'])} ms, ITL p50 {_ms(s['itl_p50'])} ms, {wall:.1f} s, CPU {s['cpu_s']['bench']:.1f} s "
+          f"here + {s['cpu_s']['server']:.1f} s server", flush=True)
+    busy = [f"{k} {v:.2f}" for k, v in s["server_cores"].items() if v >= 0.02]
+    if busy:
+        print(f"    server cores used: {', '.join(busy)}", flush=True)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from cbserve.cluster.settings import ClusterArgs, torch_threads
+
+    config = serve_config(args)
+    cfg = ClusterArgs(**config["applications"][0]["args"])
+    threads = args.threads or torch_threads(cfg)
+    info = load.machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['load']}; model {cfg.model_name}, "
+          f"{cfg.dtype}, engine torch threads {threads}", flush=True)
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        tmp = Path(tempfile.mkdtemp(prefix="cbserve-serving-"))
+        base, server = (args.url, None) if args.url else start_server(stack, config, tmp / "serve.log",
+                                                                       args.start_timeout)
+        print(f"http: {base}" + ("" if args.url else f" (server log: {tmp / 'serve.log'})"), flush=True)
+        target = load.Target("http", base.rstrip("/").removesuffix("/v1"), cfg.model_name, cfg.resolved_api_key())
+        manager, tokenizer, eos = start_engine(cfg, threads)
+        stack.callback(manager.stop, timeout=30)
+        warm = make_prompts(tokenizer, args.warmup, args.prompt_tokens, args.seed + 1)
+        asyncio.run(engine_level(manager, eos, warm, max(1, args.warmup), 8))
+        asyncio.run(http_level(target, warm, max(1, args.warmup), 8, args.request_timeout))
+        for n, level in enumerate(args.levels):
+            for r in range(args.rounds):  # new prompts every round: no prefix-cache hits on either path
+                total = max(8, args.per_client * level)
+                prompts = make_prompts(tokenizer, total, args.prompt_tokens, 1000 * args.seed + 100 * n + r + 2)
+                eng = _phase("engine", level, engine_level(manager, eos, prompts, level, args.max_tokens), server)
+                http = _phase("http", level, http_level(target, prompts, level, args.max_tokens,
+                                                        args.request_timeout), server)
+                rows.append({"concurrency": level, "engine": eng, "http": http, "checks": checks(level, eng, http)})
+    print()
+    print(format_report(rows))
+    print(f"\nload average at the end: {load._loadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+                                         "levels": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
