@@ -351,6 +351,27 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def server_kv_pages(base: str, api_key: str | None) -> int | None:
+    """The worker replicas' KV pages, from the server's /metrics (None when it does not say)."""
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with contextlib.suppress(OSError, ValueError):
+        with urllib.request.urlopen(req, timeout=30) as r:
+            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("cbserve:kv_pages_total")]
+        return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)) if lines else None
+    return None
+
+
+def check_same_kv(target: load.Target, manager: Any) -> None:
+    """Warn when the server's KV cache differs from the engine's: `max_memory_percent` sizes it from
+    the memory free when a replica starts, and a replica restarted on a machine short of memory
+    holds fewer requests at once, which is no measure of the serving path."""
+    here, there = manager.stats()["total_pages"], server_kv_pages(target.base_url, target.api_key)
+    print(f"KV pages: engine {here}, server {there}", flush=True)
+    if there is not None and there != here:
+        print("WARNING: the server's KV cache differs from the engine's (a replica restarted short of memory?): "
+              "its figures are not comparable", flush=True)
+
+
 def _phase(name: str, level: int, coroutine: Any, server: int | None) -> dict[str, Any]:
     before = load._loadavg()
     print(f"  {name:<6} {level:>3} clients ... (load average {before})", flush=True)
@@ -400,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng = _phase("engine", level, engine_level(manager, eos, prompts, level, args.max_tokens), server)
                 http = _phase("http", level, http_level(target, prompts, level, args.max_tokens,
                                                         args.request_timeout), server)
+                check_same_kv(target, manager)
                 rows.append({"concurrency": level, "engine": eng, "http": http, "checks": checks(level, eng, http)})
     print()
     print(format_report(rows))
