@@ -534,3 +534,17 @@ def test_the_batch_job_reads_and_writes_the_shared_volume(helm: Any) -> None:
     serving_head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     assert {"name": "shared", "mountPath": "/shared"} in serving_head["containers"][0]["volumeMounts"]
     assert docs["batchjob.yaml"] and render(helm, None)["batchjob.yaml"] == []
+
+
+def test_the_node_kv_pool_gets_a_memory_backed_dev_shm(helm: Any) -> None:
+    """A container's /dev/shm is 64 MiB: a shared node pool larger than that needs its own."""
+    pooled = {"serve": {"args": {"cpu_offload": {"per_node_gib": 8, "node_pool": True}}}}
+    svc = rayservice(render(helm, pooled))
+    worker = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "9Gi"}} in worker["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["containers"][0]["volumeMounts"]
+    assert app_args(serve_config(svc))["cpu_offload"]["node_pool"] is True
+
+    private = {"serve": {"args": {"cpu_offload": {"per_node_gib": 8}}}}
+    worker = rayservice(render(helm, private))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert "dshm" not in str(worker)

@@ -54,6 +54,9 @@ class EngineActor:
     def info(self) -> dict[str, Any]:
         return self._replica.describe()
 
+    def stats(self) -> dict[str, Any]:
+        return self._replica.stats()
+
     async def run(self, req: WorkerRequest) -> ChoiceResult:
         return await fold(self._replica.generate(req))
 

@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cbserve.cluster.autoscaling import KV_USAGE, RUNNING, WAITING
-from cbserve.cluster.offload import offload_share_gib
+from cbserve.cluster.offload import offload_settings
 from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 from cbserve.errors import InvalidRequestError
@@ -62,9 +62,9 @@ def per_replica_resources(args: ClusterArgs) -> dict[str, float]:
 def engine_config(args: ClusterArgs) -> dict[str, Any]:
     """`ContinuousBatchingConfig` fields of one replica: `args.engine` and what the cluster sets."""
     tp = args.tp_size
-    offload = offload_share_gib(args.cpu_offload, per_replica_resources(args), max_replicas(args))
     engine = dict(args.engine)
-    engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp, cpu_offload_space=offload)
+    engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp)
+    engine.update(offload_settings(args.cpu_offload, per_replica_resources(args), max_replicas(args)))
     if tp > 1:  # the replica and its rank actors join their group themselves (`tp_ranks.py`)
         engine["tp_launcher"] = "external"
     return engine
@@ -107,6 +107,7 @@ class EngineReplica:
         self._streams: set[str] = set()  # request ids of the streams running here
         engine = engine_config(self.args)
         self.offload_gib = engine["cpu_offload_space"]
+        self.node_kv_pool = engine.get("node_kv_pool")
         _budget_threads(self.args)
         if self.args.tp_size > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
@@ -179,6 +180,7 @@ class EngineReplica:
             "replica": self.replica,
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local",
             "cpu_offload_gib": float(self.offload_gib),
+            "node_kv_pool": self.node_kv_pool,
         }
 
     def ping(self) -> str:

@@ -118,6 +118,9 @@ def stop(apps: list[str], own_ray: bool, timeout_s: float) -> None:
                     "Ray" if own_ray else "Serve")
         if not own_ray:
             serve.shutdown()
+        from cbserve.cluster.node_pools import close_all
+
+        close_all()  # the per-node KV pools (detached actors) and their shared memory
     ray.shutdown()
     logger.info("stopped (%.1f s)", time.monotonic() - t0)
 

@@ -27,6 +27,15 @@ class CpuOffloadConfig(Strict):
     by_node: dict[str, float] = Field(
         default_factory=dict, description="budget of particular nodes, keyed by node IP or node id"
     )
+    node_pool: bool = Field(
+        False, description="true: a node's budget is one KV pool shared by its replicas (pages keyed by prefix "
+                           "hash: a prefix computed by one replica is copied, not recomputed, by the others); "
+                           "false: each replica gets a private share of it"
+    )
+    staging_gib: float = Field(
+        0.25, gt=0.0, description="with node_pool: each replica's own host pool, where pulled pages are staged "
+                                  "and preempted requests' pages wait (on top of the node's budget)"
+    )
 
     @field_validator("by_node")
     @classmethod
@@ -132,10 +141,12 @@ class ClusterArgs(Strict):
     def _check_engine(self) -> ClusterArgs:
         from cbserve.config import ContinuousBatchingConfig
 
-        for owned in ("tp_size", "tp_launcher", "cpu_offload_space"):
+        for owned in ("tp_size", "tp_launcher", "cpu_offload_space", "node_kv_pool"):
             if owned in self.engine:
                 raise ValueError(f"engine.{owned} is set by the cluster; use the top-level setting instead")
         ContinuousBatchingConfig(**self.engine)  # fail at deploy time, naming the field
+        if self.cpu_offload.node_pool and self.tp_size > 1:
+            raise ValueError(f"cpu_offload.node_pool works with tp_size 1 only, got tp_size {self.tp_size}")
         return self
 
     @property

@@ -392,6 +392,7 @@ class EngineCore:
             "recomputes": self.scheduler.num_recomputes,
             "offloads": host.num_offloads if host else 0,
             "restores": host.num_restores if host else 0,
+            "node_pool_hit_tokens": host.num_node_hit_tokens if host else 0,
             "steps": self.num_steps,
         }
 

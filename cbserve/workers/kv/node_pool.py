@@ -286,6 +286,8 @@ class NodeKVPool:
         return data
 
     def stats(self) -> dict[str, int]:
+        if self.meta is None and self.header is not None and self.header[H_FORMATTED]:
+            self._layout()  # an engine formatted it since this process mapped it (the owner's view)
         if self.meta is None:
             return {"slots": 0, "ready": 0}
         return {"slots": self.num_slots, "ready": int((self.meta[:, STATE] == READY).sum())}

@@ -196,7 +196,19 @@ if given, else sized from tp_size; the GPU limit is always tp_size.
 {{- with $v.shared.volume -}}
 {{- $out = append $out (merge (dict "name" "shared") (deepCopy .)) -}}
 {{- end -}}
+{{- with (include "cbserve.nodePoolShm" .root) -}}
+{{- $out = append $out (dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" .)) -}}
+{{- end -}}
 {{- toYaml $out -}}
+{{- end -}}
+
+{{/* With cpu_offload.node_pool, a worker pod's /dev/shm (a container's is 64 MiB) holds the
+node's shared KV pool: its budget plus 1 Gi for Ray; empty otherwise. */}}
+{{- define "cbserve.nodePoolShm" -}}
+{{- $offload := dig "cpu_offload" dict (include "cbserve.args" . | fromYaml) -}}
+{{- if and (dig "node_pool" false $offload) (gt (float64 (dig "per_node_gib" 0 $offload)) 0.0) -}}
+{{- printf "%dGi" (int (ceil (addf (float64 (dig "per_node_gib" 0 $offload)) 1.0))) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "cbserve.volumeMounts" -}}
@@ -207,6 +219,9 @@ if given, else sized from tp_size; the GPU limit is always tp_size.
 {{- end -}}
 {{- if $v.shared.volume -}}
 {{- $out = append $out (dict "name" "shared" "mountPath" $v.shared.mountPath) -}}
+{{- end -}}
+{{- if include "cbserve.nodePoolShm" .root -}}
+{{- $out = append $out (dict "name" "dshm" "mountPath" "/dev/shm") -}}
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
