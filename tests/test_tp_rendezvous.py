@@ -69,6 +69,27 @@ def test_a_group_that_does_not_fill_up_names_the_rank_and_the_operation() -> Non
     assert not dist.is_initialized()
 
 
+def test_a_group_after_a_failed_one_forms() -> None:
+    """torch names a default group after a counter that a failed start leaves behind: rank 0's
+    next group must still carry the name its fresh peers use (it waited forever before)."""
+    with pytest.raises(TensorParallelError):
+        Rendezvous("127.0.0.1", 2, timeout=1).join(torch.device("cpu"))
+    rendezvous = Rendezvous("127.0.0.1", 2, timeout=20)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_rank_1, args=(rendezvous.port, 0.0, queue))
+    proc.start()
+    try:
+        rendezvous.join(torch.device("cpu"))
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert queue.get(timeout=60) == [2.0, 2.0, 2.0]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        proc.join(30)
+
+
 def _external_rank(rank: int, ports, folder: str, prompts: list[list[int]], queue) -> None:
     """One rank of an externally launched group (as the replica and a Ray rank actor would be),
     serving two engines in a row with the shard it loaded once."""

@@ -84,22 +84,32 @@ class ChoiceTimer:
         self._m = metrics
         self._arrival = arrival
         self._last: float | None = None
+        self._unspaced = 0  # tokens of the first delta beyond the first, no gap observed yet
         metrics.prompt_tokens.labels(metrics.model_name).inc(prompt_tokens)
 
     def on_tokens(self, n: int) -> None:
+        """`n` new tokens arrived in one delta (several when the worker batches a stream's
+        output): one inter-token gap per token, the delta's wait shared evenly among them; the
+        first delta's extra tokens share the next delta's wait."""
         if n <= 0:
             return
         m, name = self._m, self._m.model_name
         now = time.perf_counter()
         if self._last is None:
             m.ttft.labels(name).observe(now - self._arrival)
+            self._unspaced = n - 1
         else:
-            m.itl.labels(name).observe((now - self._last) / n)
+            gaps = n + self._unspaced
+            for _ in range(gaps):
+                m.itl.labels(name).observe((now - self._last) / gaps)
+            self._unspaced = 0
         self._last = now
         m.generation_tokens.labels(name).inc(n)
 
     def on_end(self, finish_reason: str) -> None:
         m, name = self._m, self._m.model_name
+        for _ in range(self._unspaced):  # every token came in the first delta: no time between them
+            m.itl.labels(name).observe(0.0)
         m.e2e.labels(name).observe(time.perf_counter() - self._arrival)
         m.request_success.labels(name, finish_reason).inc()
 

@@ -97,7 +97,19 @@ def join_rendezvous(address: str, port: int, rank: int, world: int, device: torc
     _init_group(store, rank, world, device, timeout, where)
 
 
+def _reset_group_names() -> None:
+    """torch names a default group after a per-process counter that only a successful teardown
+    of the previous default group resets: after a failed one, rank 0 of a new group would use
+    another name than its fresh peers and wait for them forever. No group is live here."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and getattr(world, "group_count", 0):
+        logger.debug("resetting torch's process group counter (%d) left by an earlier group", world.group_count)
+        world.group_count = 0
+
+
 def _init_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout: float, where: str) -> None:
+    if not dist.is_initialized():
+        _reset_group_names()
     try:
         dist.init_process_group(data_backend(device), store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
