@@ -35,9 +35,14 @@ def test_rank_0_binds_before_publishing_and_the_others_join() -> None:
     with socket.socket() as other, pytest.raises(OSError) as taken:
         other.bind(("127.0.0.1", rendezvous.port))
     assert taken.value.errno == errno.EADDRINUSE
+    _all_reduce_with_rank_1(rendezvous, delay=1.0)
+
+
+def _all_reduce_with_rank_1(rendezvous: Rendezvous, delay: float) -> None:
+    """Rank 0 here, rank 1 in a fresh process joining after `delay` s: both sum ones."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_rank_1, args=(rendezvous.port, 1.0, queue))
+    proc = ctx.Process(target=_rank_1, args=(rendezvous.port, delay, queue))
     proc.start()
     try:
         rendezvous.join(torch.device("cpu"))
@@ -74,20 +79,7 @@ def test_a_group_after_a_failed_one_forms() -> None:
     next group must still carry the name its fresh peers use (it waited forever before)."""
     with pytest.raises(TensorParallelError):
         Rendezvous("127.0.0.1", 2, timeout=1).join(torch.device("cpu"))
-    rendezvous = Rendezvous("127.0.0.1", 2, timeout=20)
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_rank_1, args=(rendezvous.port, 0.0, queue))
-    proc.start()
-    try:
-        rendezvous.join(torch.device("cpu"))
-        t = torch.ones(3)
-        dist.all_reduce(t)
-        assert queue.get(timeout=60) == [2.0, 2.0, 2.0]
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        proc.join(30)
+    _all_reduce_with_rank_1(Rendezvous("127.0.0.1", 2, timeout=20), delay=0.0)
 
 
 def _external_rank(rank: int, ports, folder: str, prompts: list[list[int]], queue) -> None:
