@@ -49,11 +49,12 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-# Below this many logits a step's sampling runs on one thread: its operations are a few
-# milliseconds' worth of memory traffic at most, and a team of threads costs more to gather than
-# it saves (measured on 2 loaded cores: argmax of 16 x 49,152 logits 6.0 ms on 2 threads, 1.2 ms
-# on 1; the clone 5.4 ms vs 0.14 ms).
-ONE_THREAD_MAX_LOGITS = 1 << 23
+# Below this many logits a step's sampling runs on one thread: its operations are under a
+# millisecond of memory traffic, and on a busy machine a team of threads costs more to gather
+# than it saves (2 loaded cores: argmax of 16 x 49,152 logits 6.0 ms on 2 threads, 1.2 ms on 1).
+# Above it the threads pay even there (2 quiet cores, 128 x 49,152: argmax 3.4 ms on 1 thread,
+# 1.7 ms on 2).
+ONE_THREAD_MAX_LOGITS = 1 << 21
 
 
 @contextlib.contextmanager

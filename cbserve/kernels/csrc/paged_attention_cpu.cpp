@@ -99,7 +99,8 @@ struct Generic {
   using Acc = at::opmath_type<T>;
   using Q = Acc;
   static constexpr int kQK = 0, kPV = 0;  // no fixed-size head routines
-  template <int DV> static Acc head_scores(const Q*, const T*, int64_t, const Slots&, Acc, Acc*) { return 0; }
+  template <int DV>
+  static void row_scores(const Q*, const T*, const T*, int64_t, const Slots&, int64_t, int64_t, Acc, Acc*, int64_t, Acc*) {}
   template <int DV> static void head_values(const Acc*, const T*, int64_t, const Slots&, Acc, T*) {}
   static void load_q(Q* dst, const T* src, int64_t d) {
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Acc>(src[i]);
@@ -215,26 +216,32 @@ struct Avx2 {
     for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8_avx2(v + i), _mm256_loadu_ps(acc + i)));
     for (; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
   }
-  // One query head of dimension 8 * DV, its q in registers: out[j] = scale * q.k_j; returns the max.
+  // Every query head of the task in one pass over the token rows (K read in order; V's rows are
+  // fetched meanwhile for the value pass): scores[h * n + j] = scale * q_h.k_j, top[h] their max.
   static constexpr int kQK = 8, kPV = 8;
   template <int DV>
-  CB_AVX2 static float head_scores(const float* q, const T* k, int64_t kv_row, const Slots& sl, float scale, float* out) {
-    __m256 qv[DV];
-#pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
-    float top = -std::numeric_limits<float>::infinity();
+  CB_AVX2 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl, int64_t nq,
+                                 int64_t group, float scale, float* scores, int64_t n, float* top) {
+    constexpr int64_t dim = 8 * DV;
+    const int64_t v_bytes = nq / group * dim * static_cast<int64_t>(sizeof(T));
     CB_FOR_SLOTS(sl, j, slot) {
       const T* kr = k + slot * kv_row;
-      __m256 s0 = _mm256_mul_ps(qv[0], load8_avx2(kr)), s1 = _mm256_setzero_ps();
+      const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
+      for (int64_t h = 0; h < nq; ++h) {
+        const T* kh = kr + h / group * dim;
+        const float* qh = q + h * dim;
+        __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), load8_avx2(kh)), s1 = _mm256_setzero_ps();
 #pragma GCC unroll 16
-      for (int i = 1; i < DV; ++i) {
-        if (i % 2) s1 = _mm256_fmadd_ps(qv[i], load8_avx2(kr + 8 * i), s1);
-        else s0 = _mm256_fmadd_ps(qv[i], load8_avx2(kr + 8 * i), s0);
+        for (int i = 1; i < DV; ++i) {
+          if (i % 2) s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s1);
+          else s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s0);
+        }
+        const float sc = hsum_avx2(_mm256_add_ps(s0, s1)) * scale;
+        scores[h * n + j] = sc;
+        top[h] = std::max(top[h], sc);
       }
-      out[j] = hsum_avx2(_mm256_add_ps(s0, s1)) * scale;
-      top = std::max(top, out[j]);
     }
-    return top;
   }
   // out = inv * sum_j p[j] v_j for one query head of dimension 8 * DV, accumulated in registers.
   template <int DV>
@@ -297,23 +304,28 @@ struct Avx512 {
   }
   static constexpr int kQK = 16, kPV = 16;
   template <int DV>
-  CB_AVX512 static float head_scores(const float* q, const T* k, int64_t kv_row, const Slots& sl, float scale, float* out) {
-    __m512 qv[DV];
-#pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-    float top = -std::numeric_limits<float>::infinity();
+  CB_AVX512 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl,
+                                   int64_t nq, int64_t group, float scale, float* scores, int64_t n, float* top) {
+    constexpr int64_t dim = 16 * DV;
+    const int64_t v_bytes = nq / group * dim * static_cast<int64_t>(sizeof(T));
     CB_FOR_SLOTS(sl, j, slot) {
       const T* kr = k + slot * kv_row;
-      __m512 s0 = _mm512_mul_ps(qv[0], load16_avx512(kr, 0xFFFF)), s1 = _mm512_setzero_ps();
+      const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
+      for (int64_t h = 0; h < nq; ++h) {
+        const T* kh = kr + h / group * dim;
+        const float* qh = q + h * dim;
+        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), load16_avx512(kh, 0xFFFF)), s1 = _mm512_setzero_ps();
 #pragma GCC unroll 16
-      for (int i = 1; i < DV; ++i) {
-        if (i % 2) s1 = _mm512_fmadd_ps(qv[i], load16_avx512(kr + 16 * i, 0xFFFF), s1);
-        else s0 = _mm512_fmadd_ps(qv[i], load16_avx512(kr + 16 * i, 0xFFFF), s0);
+        for (int i = 1; i < DV; ++i) {
+          if (i % 2) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s1);
+          else s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s0);
+        }
+        const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+        scores[h * n + j] = sc;
+        top[h] = std::max(top[h], sc);
       }
-      out[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
-      top = std::max(top, out[j]);
     }
-    return top;
   }
   template <int DV>
   CB_AVX512 static void head_values(const float* p, const T* v, int64_t kv_row, const Slots& sl, float inv, T* out) {
@@ -348,24 +360,32 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
   }
   static constexpr int kQK = 32;  // kPV: Avx512's
   template <int DV>
-  CB_AVX512BF16 static float head_scores(const c10::BFloat16* q, const c10::BFloat16* k, int64_t kv_row, const Slots& sl,
-                                         float scale, float* out) {
-    __m512bh qv[DV];
-#pragma GCC unroll 16
-    for (int i = 0; i < DV; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-    float top = -std::numeric_limits<float>::infinity();
+  CB_AVX512BF16 static void row_scores(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                                       int64_t kv_row, const Slots& sl, int64_t nq, int64_t group, float scale,
+                                       float* scores, int64_t n, float* top) {
+    constexpr int64_t dim = 32 * DV;
+    const int64_t v_bytes = nq / group * dim * 2;
     CB_FOR_SLOTS(sl, j, slot) {
       const c10::BFloat16* kr = k + slot * kv_row;
-      __m512 s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr)), s1 = _mm512_setzero_ps();
+      const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
+      for (int64_t h = 0; h < nq; ++h) {
+        const c10::BFloat16* kh = kr + h / group * dim;
+        const c10::BFloat16* qh = q + h * dim;
+        __m512 s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh),
+                                     (__m512bh)_mm512_loadu_si512(kh));
+        __m512 s1 = _mm512_setzero_ps();
 #pragma GCC unroll 16
-      for (int i = 1; i < DV; ++i) {
-        if (i % 2) s1 = _mm512_dpbf16_ps(s1, qv[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
-        else s0 = _mm512_dpbf16_ps(s0, qv[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+        for (int i = 1; i < DV; ++i) {
+          const __m512bh qi = (__m512bh)_mm512_loadu_si512(qh + 32 * i), ki = (__m512bh)_mm512_loadu_si512(kh + 32 * i);
+          if (i % 2) s1 = _mm512_dpbf16_ps(s1, qi, ki);
+          else s0 = _mm512_dpbf16_ps(s0, qi, ki);
+        }
+        const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+        scores[h * n + j] = sc;
+        top[h] = std::max(top[h], sc);
       }
-      out[j] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
-      top = std::max(top, out[j]);
     }
-    return top;
   }
 };
 #endif  // CB_X86
@@ -375,7 +395,7 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
 template <class Ops>
 struct Buffers {
   std::vector<typename Ops::Q> q;
-  std::vector<typename Ops::Acc> scores, acc;
+  std::vector<typename Ops::Acc> scores, acc, top;
 };
 
 // The fixed-size head routines of Ops for this head dimension, or the loops over `dot` / `axpy`.
@@ -391,20 +411,22 @@ struct Head {
       }
     }
   }
-  A scores(const typename Ops::Q* q, const T* k, int64_t kv_row, const Slots& sl, A scale, A* out, int64_t dim) const {
+  // scores[h * n + j] for the task's nq query heads (q: nq x dim), top[h] their maxima.
+  void scores(const typename Ops::Q* q, const T* k, const T* v, int64_t kv_row, const Slots& sl, int64_t nq,
+              int64_t group, A scale, A* out, int64_t n, A* top, int64_t dim) const {
     switch (dv_qk) {
-      case 1: return Ops::template head_scores<1>(q, k, kv_row, sl, scale, out);
-      case 2: return Ops::template head_scores<2>(q, k, kv_row, sl, scale, out);
-      case 4: return Ops::template head_scores<4>(q, k, kv_row, sl, scale, out);
-      case 8: return Ops::template head_scores<8>(q, k, kv_row, sl, scale, out);
+      case 1: return Ops::template row_scores<1>(q, k, v, kv_row, sl, nq, group, scale, out, n, top);
+      case 2: return Ops::template row_scores<2>(q, k, v, kv_row, sl, nq, group, scale, out, n, top);
+      case 4: return Ops::template row_scores<4>(q, k, v, kv_row, sl, nq, group, scale, out, n, top);
+      case 8: return Ops::template row_scores<8>(q, k, v, kv_row, sl, nq, group, scale, out, n, top);
       default: break;
     }
-    A top = -std::numeric_limits<A>::infinity();
-    for_each_slot(sl.table, sl.page_size, sl.first, sl.last, [&](int64_t j, int64_t slot) {
-      out[j] = Ops::dot(q, k + slot * kv_row, dim) * scale;
-      top = std::max(top, out[j]);
-    });
-    return top;
+    for (int64_t h = 0; h < nq; ++h) {
+      for_each_slot(sl.table, sl.page_size, sl.first, sl.last, [&](int64_t j, int64_t slot) {
+        out[h * n + j] = Ops::dot(q + h * dim, k + slot * kv_row + h / group * dim, dim) * scale;
+        top[h] = std::max(top[h], out[h * n + j]);
+      });
+    }
   }
   void values(const A* p, const T* v, int64_t kv_row, const Slots& sl, A inv, T* out, int64_t dim,
               std::vector<A>& acc) const {
@@ -435,22 +457,26 @@ inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, const Hea
   const T* qrow = static_cast<const T*>(a.q) + (row * a.heads + g0 * group) * dim;
   T* orow = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * dim;
   const A scale = static_cast<A>(a.scale), cap = static_cast<A>(a.softcap);
-  buf.q.resize(dim);
-  buf.scores.resize(n);
+  const T* k = static_cast<const T*>(a.k) + g0 * dim;
+  const T* v = static_cast<const T*>(a.v) + g0 * dim;
+  buf.q.resize(nq * dim);
+  for (int64_t h = 0; h < nq; ++h) Ops::load_q(buf.q.data() + h * dim, qrow + h * dim, dim);
+  buf.scores.resize(nq * n);
+  buf.top.assign(nq, -std::numeric_limits<A>::infinity());
   A* scores = buf.scores.data();
+  head.scores(buf.q.data(), k, v, kv_row, sl, nq, group, scale, scores, n, buf.top.data(), dim);
   for (int64_t h = 0; h < nq; ++h) {
-    const int64_t kv_offset = (g0 + h / group) * dim;
-    Ops::load_q(buf.q.data(), qrow + h * dim, dim);
-    A top = head.scores(buf.q.data(), static_cast<const T*>(a.k) + kv_offset, kv_row, sl, scale, scores, dim);
+    A* p = scores + h * n;
+    A top = buf.top[h];
     if (cap > 0) {
       top = -std::numeric_limits<A>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        scores[j] = cap * std::tanh(scores[j] / cap);
-        top = std::max(top, scores[j]);
+        p[j] = cap * std::tanh(p[j] / cap);
+        top = std::max(top, p[j]);
       }
     }
-    const A inv = A(1) / Ops::exp_sum(scores, n, top);
-    head.values(scores, static_cast<const T*>(a.v) + kv_offset, kv_row, sl, inv, orow + h * dim, dim, buf.acc);
+    const A inv = A(1) / Ops::exp_sum(p, n, top);
+    head.values(p, v + h / group * dim, kv_row, sl, inv, orow + h * dim, dim, buf.acc);
   }
 }
 
@@ -459,12 +485,37 @@ struct Tasks {
   int64_t first, stride, count, splits;
 };
 
+// Asks for a task's K and V rows ahead of time: a decode row's pages are cold (the layer's weights
+// went through the caches since), and the next request's rows are elsewhere in memory.
+template <typename T>
+inline void prefetch_task(const Args& a, int64_t row, int64_t g0, int64_t kv_heads) {
+  const int64_t pos = a.row_position[row];
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  const Slots sl{a.tables + a.row_request[row] * a.width, a.page_size, first, pos};
+  const int64_t kv_row = a.kv_heads * a.dim, bytes = kv_heads * a.dim * static_cast<int64_t>(sizeof(T));
+  const char* k = reinterpret_cast<const char*>(static_cast<const T*>(a.k) + g0 * a.dim);
+  const char* v = reinterpret_cast<const char*>(static_cast<const T*>(a.v) + g0 * a.dim);
+  CB_FOR_SLOTS(sl, j, slot) {
+    const int64_t offset = slot * kv_row * static_cast<int64_t>(sizeof(T));
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + offset + b);
+      __builtin_prefetch(v + offset + b);
+    }
+  }
+}
+
+constexpr int64_t PREFETCH_TASKS = 8;  // how many tasks ahead K/V rows are asked for
+
 template <class Ops, typename T>
 inline void run_tasks(const Args& a, const Tasks& t) {
   Buffers<Ops> buf;
   const Head<Ops, T> head(a.dim);
   const int64_t per_task = a.kv_heads / t.splits, group = a.heads / a.kv_heads;
   for (int64_t task = t.first; task < t.count; task += t.stride) {
+    for (int64_t ahead = task == t.first ? 0 : PREFETCH_TASKS; ahead <= PREFETCH_TASKS; ++ahead) {
+      const int64_t next = task + ahead * t.stride;
+      if (next < t.count) prefetch_task<T>(a, next / t.splits, (next % t.splits) * per_task, per_task);
+    }
     attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, head, buf);
   }
 }
