@@ -130,6 +130,6 @@ class Grammars:
         """The compiled grammar; raises InvalidRequestError naming the constraint's field."""
         return self._structured().compile(constraint.kind, constraint.spec, constraint.field)
 
-    async def compile(self, constraint: Constraint) -> Any:
+    async def compile_in_thread(self, constraint: Constraint) -> Any:
         """`compile_now` in a worker thread (a large schema takes tens of milliseconds)."""
         return await asyncio.to_thread(self.compile_now, constraint)

@@ -276,4 +276,4 @@ async def _grammar(info: ModelInfo, req: WorkerRequest) -> Any:
     if info.grammars is None:
         raise InvalidRequestError(req.constraint.field, f"{req.constraint.field}: structured outputs are not "
                                   "available on this worker")
-    return await info.grammars.compile(req.constraint)
+    return await info.grammars.compile_in_thread(req.constraint)
