@@ -250,3 +250,13 @@ def test_config_refuses_a_node_pool_it_cannot_use() -> None:
         cbserve.ContinuousBatchingConfig(node_kv_pool="", cpu_offload_space=1.0)
     with pytest.raises(FileNotFoundError, match="no node KV pool named 'absent-pool'"):
         run(tiny_model("llama"), [1, 2, 3], config("absent-pool"))
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {"allow_block_sharing": False}), ("gemma2", {})])
+def test_an_engine_that_cannot_use_the_pool_refuses_it(pool_name: str, arch: str, overrides: dict) -> None:
+    """Without prefix caching (turned off, or sliding-window layers) the pool would be ignored."""
+    model = tiny_model(arch)
+    own = model.config._attn_implementation
+    with pytest.raises(ValueError, match="node_kv_pool .* needs prefix caching"):
+        EngineCore(model, GenerationConfig(max_new_tokens=2), config(pool_name, **overrides))
+    assert model.config._attn_implementation == own  # refused before the engine took the model's attention

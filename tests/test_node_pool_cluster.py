@@ -91,6 +91,25 @@ def test_two_replicas_of_a_node_share_its_pool(ray_local: Any, tmp_path_factory:
     assert node_pools.owners() == {}
 
 
+def test_a_new_budget_replaces_the_nodes_pool(ray_local: Any) -> None:
+    """An owner left with another capacity (an earlier deployment) is replaced, not reused: the
+    configured budget holds, and engines on the old pool see it closed."""
+    from cbserve.cluster import node_pools
+    from cbserve.workers.kv.node_pool import NodeKVPool
+
+    ray = ray_local
+    name = node_pools.ensure_node_pool(1 << 20)
+    assert node_pools.ensure_node_pool(1 << 20) == name
+    old = NodeKVPool.attach(name)
+    assert old.alive()
+    assert node_pools.ensure_node_pool(2 << 20) == name
+    [owner] = node_pools.owners().values()
+    assert ray.get(owner.stats.remote())["capacity_bytes"] == 2 << 20
+    assert not old.alive()
+    old.detach()
+    assert node_pools.close_all() == 1
+
+
 def test_node_pool_refuses_tensor_parallel() -> None:
     with pytest.raises(ValueError, match="node_pool works with tp_size 1 only"):
         ClusterArgs(tp_size=2, cpu_offload={"per_node_gib": 1, "node_pool": True})
@@ -101,3 +120,11 @@ def test_node_pool_refuses_tensor_parallel() -> None:
 def test_staging_must_be_positive() -> None:
     with pytest.raises(ValueError, match="staging_gib"):
         ClusterArgs(cpu_offload={"per_node_gib": 1, "node_pool": True, "staging_gib": 0})
+
+
+def test_node_pool_settings_that_would_be_ignored_are_refused() -> None:
+    with pytest.raises(ValueError, match="staging_gib is used only with node_pool: true"):
+        ClusterArgs(cpu_offload={"per_node_gib": 1, "staging_gib": 0.5})
+    with pytest.raises(ValueError, match="node_pool needs a budget"):
+        ClusterArgs(cpu_offload={"node_pool": True})
+    ClusterArgs(cpu_offload={"by_node": {"10.0.0.1": 2.0}, "node_pool": True})  # one node's budget is enough

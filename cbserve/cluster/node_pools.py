@@ -16,6 +16,7 @@ memory, and they go with the Ray cluster.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -52,19 +53,34 @@ class NodePoolOwner:
         self.pool.close()
 
 
-def ensure_node_pool(capacity_bytes: int) -> str:
-    """The name of this node's pool, its owner created if it is the first replica here."""
-    node_id = ray.get_runtime_context().get_node_id()
-    owner = NodePoolOwner.options(
+def _owner(node_id: str, capacity_bytes: int) -> Any:
+    return NodePoolOwner.options(
         name=actor_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id, capacity_bytes)
-    name = ray.get(owner.name.remote())
-    have = ray.get(owner.stats.remote())["capacity_bytes"]
-    if have != capacity_bytes:  # an owner from an earlier deployment with another budget
-        logger.warning("node KV pool %s holds %.2f GiB, not the %.2f GiB configured: close_all() or restart Ray "
-                       "to resize it", name, have / 2**30, capacity_bytes / 2**30)
-    return name
+
+
+def ensure_node_pool(capacity_bytes: int, attempts: int = 50) -> str:
+    """The name of this node's pool of `capacity_bytes`, its owner created if this is the first
+    replica here. An owner left by an earlier deployment with another budget is replaced: the
+    engines still attached to it see it closed and stop using it (misses, never wrong pages)."""
+    from ray.exceptions import RayActorError
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for _ in range(attempts):
+        owner = _owner(node_id, capacity_bytes)
+        try:
+            have = ray.get(owner.stats.remote())["capacity_bytes"]
+        except RayActorError:  # a replaced owner whose name is not released yet
+            time.sleep(0.1)
+            continue
+        if have == capacity_bytes:
+            return ray.get(owner.name.remote())
+        logger.info("node KV pool of node %s: %.2f GiB -> %.2f GiB (a new budget)", node_id[:8], have / 2**30,
+                    capacity_bytes / 2**30)
+        ray.get(owner.close.remote())
+        ray.kill(owner)
+    raise RuntimeError(f"no node KV pool owner of {capacity_bytes} bytes on node {node_id} after {attempts} tries")
 
 
 def owners() -> dict[str, Any]:

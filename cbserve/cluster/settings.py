@@ -45,6 +45,14 @@ class CpuOffloadConfig(Strict):
                 raise ValueError(f"cpu_offload.by_node[{node!r}] must be >= 0, got {gib}")
         return v
 
+    @model_validator(mode="after")
+    def _node_pool_settings_used(self) -> CpuOffloadConfig:
+        if "staging_gib" in self.model_fields_set and not self.node_pool:
+            raise ValueError("cpu_offload.staging_gib is used only with node_pool: true")
+        if self.node_pool and self.per_node_gib == 0 and not any(self.by_node.values()):
+            raise ValueError("cpu_offload.node_pool needs a budget: per_node_gib > 0 or a by_node entry > 0")
+        return self
+
 
 class WorkerConfig(Strict):
     num_replicas: int = Field(1, ge=1, description="fixed replica count when autoscaling is null")

@@ -108,13 +108,16 @@ class NodePoolClient:
 def attach(name: str | None, model: torch.nn.Module, cache: PagedKVCache, host_pool: HostKVPool | None,
            host_pages, prefix_caching: bool) -> NodePoolClient | None:
     """The engine's client of node pool `name` (None: no node pool), wired to its host pool and
-    its scheduler's host pages; None when the engine cannot use one."""
+    its scheduler's host pages; None when the pool holds other pages. Refuses (ValueError) an
+    engine that could never use one, rather than ignoring the setting."""
     if name is None:
         return None
-    if host_pool is None or not prefix_caching:
-        logger.warning("node_kv_pool %r not used: it needs the engine's host pool (cpu_offload_space) and prefix "
-                       "caching (no sliding-window layers, allow_block_sharing)", name)
-        return None
+    if host_pool is None:
+        raise ValueError(f"node_kv_pool {name!r} needs a host pool to stage pulled pages in: cpu_offload_space "
+                         "gave this engine none")
+    if not prefix_caching:
+        raise ValueError(f"node_kv_pool {name!r} needs prefix caching, which is off for this engine "
+                         "(allow_block_sharing=False, or the model has sliding-window layers)")
     client = NodePoolClient(NodeKVPool.attach(name), cache, host_pool, model_fingerprint(model, cache))
     if not client.usable:
         return None
