@@ -87,7 +87,7 @@ class ContinuousBatchingConfig(BaseModel):
     node_kv_pool: str | None = Field(
         None, min_length=1, description="name of this node's shared KV pool (workers/kv/node_pool.py, created by "
         "its owner) to pull missed prefix pages from and publish computed ones to; needs cpu_offload_space != 0 "
-        "(pulled pages are staged in the engine's host pool) and tp_size=1"
+        "(pulled pages are staged in the engine's host pool), prefix caching and tp_size=1"
     )
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)

@@ -128,3 +128,5 @@ def test_node_pool_settings_that_would_be_ignored_are_refused() -> None:
     with pytest.raises(ValueError, match="node_pool needs a budget"):
         ClusterArgs(cpu_offload={"node_pool": True})
     ClusterArgs(cpu_offload={"by_node": {"10.0.0.1": 2.0}, "node_pool": True})  # one node's budget is enough
+    dumped = ClusterArgs().model_dump()  # what each replica receives: every default written out
+    assert ClusterArgs(**dumped).cpu_offload.staging_gib == dumped["cpu_offload"]["staging_gib"]

@@ -18,6 +18,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # (measured on 2 cores: README, "CPU budget").
 RESERVED_CPUS = 0.5
 API_KEY_ENV = "CBSERVE_API_KEY"
+DEFAULT_STAGING_GIB = 0.25  # cpu_offload.staging_gib
 
 
 class CpuOffloadConfig(Strict):
@@ -33,7 +34,7 @@ class CpuOffloadConfig(Strict):
                            "false: each replica gets a private share of it"
     )
     staging_gib: float = Field(
-        0.25, gt=0.0, description="with node_pool: each replica's own host pool, where pulled pages are staged "
+        DEFAULT_STAGING_GIB, gt=0.0, description="with node_pool: each replica's own host pool, where pulled pages are staged "
                                   "and preempted requests' pages wait (on top of the node's budget)"
     )
 
@@ -47,7 +48,8 @@ class CpuOffloadConfig(Strict):
 
     @model_validator(mode="after")
     def _node_pool_settings_used(self) -> CpuOffloadConfig:
-        if "staging_gib" in self.model_fields_set and not self.node_pool:
+        # By value, not by fields set: the args reach each replica as a dump with every default in it.
+        if self.staging_gib != DEFAULT_STAGING_GIB and not self.node_pool:
             raise ValueError("cpu_offload.staging_gib is used only with node_pool: true")
         if self.node_pool and self.per_node_gib == 0 and not any(self.by_node.values()):
             raise ValueError("cpu_offload.node_pool needs a budget: per_node_gib > 0 or a by_node entry > 0")
@@ -126,7 +128,10 @@ class ClusterArgs(Strict):
 
     model: str | None = Field(None, description="HF id or local folder; null = the default model")
     served_model_name: str | None = Field(None, description="name clients pass as `model`")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="auto: bfloat16 on a CPU with native bfloat16 dot products (avx512_bf16, AMX), "
+                               "else float32 (ray_config.yaml's choice); float32 is the default of build_app"
+    )
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per worker replica")
     engine: dict[str, Any] = Field(default_factory=dict, description="ContinuousBatchingConfig fields")
     generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
