@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,38 @@ def serve_app(args: dict[str, Any]) -> Iterator[tuple[Any, int, int]]:
         ray.shutdown()
         for k in added:
             os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def running_manager(model: Any, **config: Any) -> Iterator[Any]:
+    """A started continuous-batching manager on `model` as the serving tests use it (16 new
+    tokens, the model's EOS, processors and logprobs on), stopped and destroyed afterwards."""
+    from transformers import GenerationConfig
+
+    import cbserve
+
+    cfg = {"page_size": 8, "num_blocks": 128, "max_batch_tokens": 256, "per_request_processors": True,
+           "return_logprobs": True, **config}
+    mgr = cbserve.init_continuous_batching(
+        model, generation_config=GenerationConfig(max_new_tokens=16, eos_token_id=model.config.eos_token_id),
+        continuous_batching_config=cbserve.ContinuousBatchingConfig(**cfg),
+    )
+    mgr.start()
+    try:
+        yield mgr
+    finally:
+        mgr.stop(timeout=30)
+        mgr.destroy()
+
+
+@dataclass
+class FakeReplica:
+    """What Serve's request router reads of a replica."""
+
+    replica_id: Any
+    queue_len: int = 0
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 100
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest_cluster import tiny_model_dir
+from conftest_cluster import FakeReplica, running_manager, tiny_model_dir
 from pydantic import ValidationError
-from transformers import GenerationConfig
 
 import cbserve
 from cbserve.cluster.offload import node_budget_gib, replicas_fitting
@@ -44,18 +43,8 @@ def tokenizer(loaded: tuple[Any, Any, str]) -> Any:
 
 @pytest.fixture(scope="module")
 def manager(loaded: tuple[Any, Any, str]) -> Any:
-    model = loaded[0]
-    cfg = cbserve.ContinuousBatchingConfig(
-        page_size=8, num_blocks=128, max_batch_tokens=256, per_request_processors=True, return_logprobs=True
-    )
-    mgr = cbserve.init_continuous_batching(
-        model, generation_config=GenerationConfig(max_new_tokens=16, eos_token_id=model.config.eos_token_id),
-        continuous_batching_config=cfg,
-    )
-    mgr.start()
-    yield mgr
-    mgr.stop(timeout=30)
-    mgr.destroy()
+    with running_manager(loaded[0]) as mgr:
+        yield mgr
 
 
 @pytest.fixture(scope="module")
@@ -342,17 +331,6 @@ def test_schemas_refuse_out_of_range_fields() -> None:
 
 
 # ---- router -----------------------------------------------------------------------------------
-
-
-@dataclass
-class FakeReplica:
-    replica_id: Any
-    queue_len: int = 0
-    routing_stats: dict[str, Any] = field(default_factory=dict)
-    max_ongoing_requests: int = 100
-
-    async def get_queue_len(self, *, deadline_s: float) -> int:
-        return self.queue_len
 
 
 def test_router_gives_each_sibling_request_its_own_replica() -> None:

@@ -27,6 +27,7 @@ import cbserve
 from cbserve.workers.engine import EngineCore
 from cbserve.workers.kv import node_pool
 from cbserve.workers.kv.node_pool import NodeKVPool, chain_keys
+from tests.test_exactness import run_engine
 from tests.tiny_models import random_prompts, reference_generate, tiny_model
 
 PAGE = 16
@@ -182,20 +183,14 @@ def test_preempted_pages_go_to_the_pool(pool_name: str) -> None:
     prompt_list = random_prompts([1, 7, 33, 64, 100, 150, 300])
     cfg = config(pool_name, num_blocks=24, max_batch_tokens=64,
                  cpu_offload_space=2 * PAGE * 2 * 2 * 16 * 2 * 8 / 2**30)  # two pages: mostly no room
-    gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, cfg)
     exported: list[list[int]] = []
-    execute = engine.host_pool.execute
-    engine.host_pool.execute = lambda transfers: (
-        exported.extend(list(t.tokens) for t in transfers if t.kind == "export"), execute(transfers))
-    try:
-        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompt_list)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
+
+    def record_exports(engine: EngineCore) -> None:
+        execute = engine.host_pool.execute
+        engine.host_pool.execute = lambda transfers: (
+            exported.extend(list(t.tokens) for t in transfers if t.kind == "export"), execute(transfers))
+
+    requests, engine = run_engine(model, prompt_list, cfg, 10, record_exports)
     hp = engine.scheduler.host_pages
     assert hp.num_exports > 0 and hp.num_free == hp.num_blocks
     for request, prompt in zip(requests, prompt_list):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conftest_cluster import FakeReplica
 
 from cbserve.cluster.balance import HashRing, bounded_load_choice, capacity, routing_key, two_choices
 from cbserve.serving.prefix import chat_routing_text, prefix_hashes
@@ -122,17 +123,6 @@ def test_two_choices_do_not_herd_on_a_stale_view() -> None:
 
 
 # ---- the Serve router over fake replicas ------------------------------------------------------
-
-
-@dataclass
-class FakeReplica:
-    replica_id: Any
-    queue_len: int = 0
-    routing_stats: dict[str, Any] = field(default_factory=dict)
-    max_ongoing_requests: int = 100
-
-    async def get_queue_len(self, *, deadline_s: float) -> int:
-        return self.queue_len
 
 
 @dataclass

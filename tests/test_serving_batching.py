@@ -17,8 +17,7 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
-from conftest_cluster import tiny_model_dir
-from transformers import GenerationConfig
+from conftest_cluster import running_manager, tiny_model_dir
 
 import cbserve
 from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
@@ -35,17 +34,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def manager(loaded: tuple[Any, Any]) -> Any:
-    model = loaded[0]
-    cfg = cbserve.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=256,
-                                           per_request_processors=True, return_logprobs=True)
-    mgr = cbserve.init_continuous_batching(
-        model, generation_config=GenerationConfig(max_new_tokens=16, eos_token_id=model.config.eos_token_id),
-        continuous_batching_config=cfg,
-    )
-    mgr.start()
-    yield mgr
-    mgr.stop(timeout=30)
-    mgr.destroy()
+    with running_manager(loaded[0]) as mgr:
+        yield mgr
 
 
 @pytest.fixture(scope="module")

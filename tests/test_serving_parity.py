@@ -18,8 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from conftest_cluster import tiny_model_dir
-from transformers import GenerationConfig
+from conftest_cluster import running_manager, tiny_model_dir
 
 import cbserve
 from cbserve.cluster.settings import ClusterArgs
@@ -63,16 +62,8 @@ def loaded(model_dir: Path) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def manager(loaded: tuple[Any, Any]) -> Any:
-    model = loaded[0]
-    cfg = cbserve.ContinuousBatchingConfig(page_size=8, num_blocks=512, max_batch_tokens=256,
-                                           per_request_processors=True, return_logprobs=True)
-    mgr = cbserve.init_continuous_batching(
-        model, generation_config=GenerationConfig(max_new_tokens=16, eos_token_id=model.config.eos_token_id),
-        continuous_batching_config=cfg)
-    mgr.start()
-    yield mgr
-    mgr.stop(timeout=30)
-    mgr.destroy()
+    with running_manager(loaded[0], num_blocks=512) as mgr:
+        yield mgr
 
 
 @pytest.fixture(scope="module")
