@@ -98,8 +98,10 @@ async def _closed_loop(concurrency: int, count: int, one: Any) -> tuple[list[Rec
 # -- engine ------------------------------------------------------------------------------------
 
 
-def start_engine(cfg: Any, threads: int) -> tuple[Any, Any, Any]:
-    """(manager, tokenizer, eos) built as `EngineReplica` builds them, torch on `threads` threads."""
+def start_engine(cfg: Any, threads: int, num_pages: int | None = None) -> tuple[Any, Any, Any]:
+    """(manager, tokenizer, eos) built as `EngineReplica` builds them, torch on `threads` threads,
+    with `num_pages` KV pages (the server's) when given: the memory budget gives a replica started
+    at another moment another number."""
     import torch
     from transformers import GenerationConfig
 
@@ -111,7 +113,8 @@ def start_engine(cfg: Any, threads: int) -> tuple[Any, Any, Any]:
     eos = _eos_ids(model, tokenizer)
     manager = cbserve.init_continuous_batching(
         model, generation_config=GenerationConfig(max_new_tokens=cfg.generation.max_tokens, eos_token_id=eos),
-        continuous_batching_config=cbserve.ContinuousBatchingConfig(**engine_config(cfg)),
+        continuous_batching_config=cbserve.ContinuousBatchingConfig(
+            **{**engine_config(cfg), **({"num_blocks": num_pages} if num_pages else {})}),
     )
     manager.start()
     return manager, tokenizer, eos
@@ -161,7 +164,8 @@ def _free_ports(config: dict[str, Any]) -> int:
     return port
 
 
-def start_server(stack: contextlib.ExitStack, config: dict[str, Any], log: Path, timeout: float) -> tuple[str, int]:
+def start_server(stack: contextlib.ExitStack, config: dict[str, Any], log: Path, timeout: float,
+                 env: dict[str, str] | None = None) -> tuple[str, int]:
     """`config` served as `make serve` serves it (`python -m cbserve.cluster.run`: a Ray of its own),
     on free ports, in its own process group; SIGINT (Ctrl-C) at the end. Returns the base URL once
     the API answers, and the server's process id."""
@@ -174,7 +178,7 @@ def start_server(stack: contextlib.ExitStack, config: dict[str, Any], log: Path,
     # scheduling a new session would get a CPU share of its own on a shared machine, which the
     # in-process engine does not get.
     proc = subprocess.Popen([sys.executable, "-m", "cbserve.cluster.run", str(path)], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT, process_group=0)
+                            stderr=subprocess.STDOUT, process_group=0, env={**os.environ, **(env or {})})
     stack.callback(stop_server, proc)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -306,7 +310,21 @@ def format_report(rows: list[dict[str, Any]]) -> str:
                      f"(+{f(c['ttft_extra_ms'])} ms), ITL p50 {f(c['itl_ratio'])}, CPU per token "
                      f"{f(c['cpu_ratio'])}; same token counts: "
                      f"{c['same_token_counts']}; {verdict}")
+    for level in sorted({row["concurrency"] for row in rows}):
+        lines.append(level_summary(level, [row["checks"] for row in rows if row["concurrency"] == level]))
     return "\n".join(lines)
+
+
+def level_summary(level: int, checks: list[dict[str, Any]]) -> str:
+    """The rounds of a level together: on a shared machine one round's ratio moves by +-10%."""
+    def spread(key: str) -> str:
+        values = [c[key] for c in checks if c[key] is not None]
+        if not values:
+            return "-"
+        return f"mean {sum(values) / len(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+    return (f"{level:>7} clients, {len(checks)} round(s): out tok/s http/engine {spread('throughput_ratio')}; "
+            f"ITL p50 http/engine {spread('itl_ratio')}")
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -318,13 +336,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="override the config's args.model (an HF id or a folder)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override an args field, dotted: --set worker.num_cpus=2 --set engine.page_size=32")
+    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable of the server (and its Ray) only, e.g. OMP_WAIT_POLICY=PASSIVE")
     p.add_argument("--url", default=None, help="measure this running server instead of starting one")
     p.add_argument("--concurrency", default="1,32", help="comma-separated client counts, one level each")
     p.add_argument("--per-client", type=int, default=2, help="requests per client and level (at least 8 a level)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="engine then HTTP, this many times per level")
-    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests on each path first")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="before each level, one unmeasured request per client with this many tokens on each path")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of the in-process engine (default: what the worker replica uses)")
     p.add_argument("--seed", type=int, default=0)
@@ -351,14 +372,28 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def server_kv_pages(base: str, api_key: str | None) -> int | None:
-    """The worker replicas' KV pages, from the server's /metrics (None when it does not say)."""
+def server_series(base: str, api_key: str | None, name: str) -> float | None:
+    """A series of the server's /metrics summed over its worker replicas (None when it has none)."""
     req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with contextlib.suppress(OSError, ValueError):
         with urllib.request.urlopen(req, timeout=30) as r:
-            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("cbserve:kv_pages_total")]
-        return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)) if lines else None
+            lines = [ln for ln in r.read().decode().splitlines() if ln.startswith(name + "{")]
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines) if lines else None
     return None
+
+
+def server_kv_pages(base: str, api_key: str | None) -> int | None:
+    """The worker replicas' KV pages, from the server's /metrics (None when it does not say)."""
+    pages = server_series(base, api_key, "cbserve:kv_pages_total")
+    return None if pages is None else int(pages)
+
+
+def first_kv_pages(target: load.Target, wait_s: float = 15.0) -> int | None:
+    """The server's KV pages once its replicas have reported their stats (None if they do not)."""
+    deadline = time.monotonic() + wait_s
+    while (pages := server_kv_pages(target.base_url, target.api_key)) is None and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return pages
 
 
 def check_same_kv(target: load.Target, manager: Any) -> None:
@@ -372,10 +407,47 @@ def check_same_kv(target: load.Target, manager: Any) -> None:
               "its figures are not comparable", flush=True)
 
 
-def _phase(name: str, level: int, coroutine: Any, server: int | None) -> dict[str, Any]:
+def engine_counters(manager: Any) -> Any:
+    """(steps, busy seconds) of the in-process engine, as a callable."""
+    def read() -> tuple[float, float] | None:
+        s = manager.stats()
+        return s["steps"], s["busy_seconds"]
+    return read
+
+
+def server_counters(target: load.Target) -> Any:
+    """(steps, busy seconds) of the server's engines, from /metrics. The series come from stats the
+    replicas report every `routing.stats_period_s`: read again until two reads agree (the engine
+    is idle after a phase)."""
+    def one() -> tuple[float, float] | None:
+        steps = server_series(target.base_url, target.api_key, "cbserve:engine_steps_total")
+        busy = server_series(target.base_url, target.api_key, "cbserve:engine_busy_seconds_total")
+        return None if steps is None or busy is None else (steps, busy)
+
+    def read() -> tuple[float, float] | None:
+        last = one()
+        for _ in range(8):
+            time.sleep(1.5)
+            now = one()
+            if now == last:
+                return now
+            last = now
+        return last
+    return read
+
+
+def _engine_share(before: Any, after: Any, wall: float) -> dict[str, Any]:
+    """Steps, mean step time and the share of the wall time the engine was busy in a phase."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {"steps": None, "step_ms": None, "busy_share": None}
+    steps, busy = after[0] - before[0], after[1] - before[1]
+    return {"steps": int(steps), "step_ms": 1000 * busy / steps, "busy_share": busy / wall}
+
+
+def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: Any) -> dict[str, Any]:
     before = load._loadavg()
     print(f"  {name:<6} {level:>3} clients ... (load average {before})", flush=True)
-    cpu0 = own_cpu_s(), tree_cpu(server)
+    cpu0, steps0 = (own_cpu_s(), tree_cpu(server)), counters()
     records, wall = asyncio.run(coroutine)
     s = summarize(records, wall)
     s["load"] = before or (float("nan"),) * 3
@@ -383,9 +455,14 @@ def _phase(name: str, level: int, coroutine: Any, server: int | None) -> dict[st
     s["server_cores"] = {k: round(v / wall, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1])}
     s["cpu_s"] = {"bench": own_cpu_s() - cpu0[0], "server": sum(by_process.values())}
     s["cpu_ms_per_token"] = 1000 * sum(s["cpu_s"].values()) / max(1, s["output_tokens"])
+    s["engine"] = _engine_share(steps0, counters(), wall)  # after the CPU times: it may wait for the server
     print(f"    {s['completed']}/{s['requests']} ok, {s['output_tokens_per_s']:.1f} out tok/s, TTFT p50 "
           f"{_ms(s['ttft_p50'])} ms, ITL p50 {_ms(s['itl_p50'])} ms, {wall:.1f} s, CPU {s['cpu_s']['bench']:.1f} s "
           f"here + {s['cpu_s']['server']:.1f} s server", flush=True)
+    e = s["engine"]
+    if e["steps"]:
+        print(f"    engine: {e['steps']} steps of {e['step_ms']:.1f} ms on average, busy {100 * e['busy_share']:.0f}% "
+              "of the wall time", flush=True)
     busy = [f"{k} {v:.2f}" for k, v in s["server_cores"].items() if v >= 0.02]
     if busy:
         print(f"    server cores used: {', '.join(busy)}", flush=True)
@@ -405,22 +482,25 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="cbserve-serving-"))
+        env = dict(item.split("=", 1) for item in args.server_env)
         base, server = (args.url, None) if args.url else start_server(stack, config, tmp / "serve.log",
-                                                                       args.start_timeout)
+                                                                       args.start_timeout, env)
         print(f"http: {base}" + ("" if args.url else f" (server log: {tmp / 'serve.log'})"), flush=True)
         target = load.Target("http", base.rstrip("/").removesuffix("/v1"), cfg.model_name, cfg.resolved_api_key())
-        manager, tokenizer, eos = start_engine(cfg, threads)
+        manager, tokenizer, eos = start_engine(cfg, threads, first_kv_pages(target))
         stack.callback(manager.stop, timeout=30)
-        warm = make_prompts(tokenizer, args.warmup, args.prompt_tokens, args.seed + 1)
-        asyncio.run(engine_level(manager, eos, warm, max(1, args.warmup), 8))
-        asyncio.run(http_level(target, warm, max(1, args.warmup), 8, args.request_timeout))
         for n, level in enumerate(args.levels):
+            # The first batch of a size pays for its memory (allocator growth, page faults) on either path.
+            warm = make_prompts(tokenizer, level, args.prompt_tokens, 1000 * args.seed + 100 * n + 1)
+            asyncio.run(engine_level(manager, eos, warm, level, args.warmup_tokens))
+            asyncio.run(http_level(target, warm, level, args.warmup_tokens, args.request_timeout))
             for r in range(args.rounds):  # new prompts every round: no prefix-cache hits on either path
                 total = max(8, args.per_client * level)
                 prompts = make_prompts(tokenizer, total, args.prompt_tokens, 1000 * args.seed + 100 * n + r + 2)
-                eng = _phase("engine", level, engine_level(manager, eos, prompts, level, args.max_tokens), server)
+                eng = _phase("engine", level, engine_level(manager, eos, prompts, level, args.max_tokens), server,
+                             engine_counters(manager))
                 http = _phase("http", level, http_level(target, prompts, level, args.max_tokens,
-                                                        args.request_timeout), server)
+                                                        args.request_timeout), server, server_counters(target))
                 check_same_kv(target, manager)
                 rows.append({"concurrency": level, "engine": eng, "http": http, "checks": checks(level, eng, http)})
     print()

@@ -443,7 +443,7 @@ class ContinuousBatchingManager:
             raise RuntimeError(f"the batching loop is not running ({self.error!r})")
         self.engine.check_health()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         stats = self.engine.stats()
         stats["live_requests"] = len(self._live)
         return stats

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
 import socket
 import struct
 import time
@@ -193,6 +194,32 @@ def test_models_and_health(cluster: dict[str, Any]) -> None:
 # ---- bad requests -----------------------------------------------------------------------------
 
 
+def test_request_path_runs_at_the_nodes_priority_and_the_rest_below(cluster: dict[str, Any]) -> None:
+    """Ray starts its workers at nice 15, below its daemons; the replicas on the request path
+    (the worker with the ingress inside, or the engine and the ingress apart) keep the node's
+    priority (`settings.MODEL_PROCESS_ENV`), while the stats board keeps Ray's default."""
+    node = os.getpriority(os.PRIO_PROCESS, 0)  # this process started the local Ray
+    assert _niceness("ServeReplica:cbserve:LLMWorker") == {node}  # ingress inside (one replica)
+    assert _niceness("ServeReplica:routed:LLMWorker") == {node}  # engine alone (two replicas)
+    assert _niceness("ServeReplica:routed:OpenAIIngress") == {node}
+    assert min(_niceness("ServeReplica:routed:StatsBoard")) > node
+
+
+def _niceness(title: str) -> set[int]:
+    """The niceness of the processes whose title (Ray's `ray::<actor class>`) starts with `title`."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if cmdline.startswith(f"ray::{title}".encode()):
+                found.add(os.getpriority(os.PRIO_PROCESS, int(pid)))
+        except OSError:  # gone meanwhile
+            continue
+    assert found, f"no process ray::{title}"
+    return found
+
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "needle"),
     [
@@ -247,10 +274,12 @@ def _metrics(cluster: dict[str, Any]) -> dict[str, float]:
 
 
 def test_metrics_parse_and_counters_move(cluster: dict[str, Any]) -> None:
+    start = time.monotonic()
     before = _metrics(cluster)
     out = _client(cluster).completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0)
     time.sleep(1.5)  # a routing-stats period: the worker pushes its engine stats
     after = _metrics(cluster)
+    wall = time.monotonic() - start
     assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == out.usage.prompt_tokens
     assert (after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0)
             == out.usage.completion_tokens)
@@ -262,6 +291,10 @@ def test_metrics_parse_and_counters_move(cluster: dict[str, Any]) -> None:
     assert after["cbserve:worker_replicas"] == 1
     assert after["cbserve:kv_pages_total"] == ENGINE["num_blocks"]
     assert after["cbserve:http_errors_total"] >= 1  # the bad requests above
+    # A step per token at least; busy time within the wall time (+ a stats period: `before` may lag).
+    steps = after["cbserve:engine_steps_total"] - before.get("cbserve:engine_steps_total", 0)
+    busy = after["cbserve:engine_busy_seconds_total"] - before.get("cbserve:engine_busy_seconds_total", 0)
+    assert steps >= out.usage.completion_tokens and 0 < busy <= wall + 0.5
 
 
 # ---- disconnect -------------------------------------------------------------------------------
@@ -514,6 +547,7 @@ def test_tensor_parallel_replica_equals_tp1_and_releases_its_ranks(cluster: dict
             assert out.choices[0].text == expected
         stats = _worker_stats(cluster, app="tp")
         assert stats["free_pages"] == stats["total_pages"] and stats["running"] == 0
+        assert _niceness("TPRank") == {os.getpriority(os.PRIO_PROCESS, 0)}  # runs the model too
     finally:
         serve.delete("tp")
     deadline = time.monotonic() + 60

@@ -18,6 +18,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
+from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
 from cbserve.serving.protocol import WorkerRequest
 from cbserve.serving.replies import ChoiceResult, fold
 
@@ -110,6 +111,7 @@ class EnginePool:
             "num_cpus": self._resources["CPU"],
             "num_gpus": self._resources["GPU"],
             "max_restarts": 1,
+            "runtime_env": runtime_env(MODEL_PROCESS_ENV),
         }
         if self._tp_size > 1:
             bundle = {k: v for k, v in self._resources.items() if v > 0} or {"CPU": 0.001}

@@ -19,10 +19,18 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from cbserve.cluster.colocated import OTHER_ROUTES_HEADROOM, IngressWorker
-from cbserve.cluster.engine_replica import DEPLOYMENT_NAME, EngineReplica
+from cbserve.cluster.engine_replica import DEPLOYMENT_NAME, EngineDeployment
 from cbserve.cluster.ingress import OpenAIIngress
 from cbserve.cluster.ray_compat import DEFAULT_ROUTER_CLASS
-from cbserve.cluster.settings import ClusterArgs, WorkerConfig, cpus_per_rank, with_cpus
+from cbserve.cluster.settings import (
+    MODEL_PROCESS_ENV,
+    MODEL_REPLICA_ENV,
+    ClusterArgs,
+    WorkerConfig,
+    cpus_per_rank,
+    runtime_env,
+    with_cpus,
+)
 from cbserve.cluster.stats_board import StatsBoard
 from cbserve.serving.settings import RoutingConfig
 
@@ -91,15 +99,14 @@ def worker_options(args: ClusterArgs) -> dict[str, Any]:
         opts["num_replicas"] = w.num_replicas
     cpus = cpus_per_rank(args)
     resources = {"CPU": cpus, "GPU": w.num_gpus}
-    if args.tp_size == 1:
-        opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": w.num_gpus}
-    else:
+    opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": w.num_gpus,
+                                 "runtime_env": runtime_env(MODEL_REPLICA_ENV)}
+    if args.tp_size > 1:
         # One bundle per tensor-parallel rank, packed on one node; the replica actor takes the
         # first bundle and starts the other ranks in the rest (`tp_ranks.py`).
         bundle = {k: v for k, v in resources.items() if v > 0} or {"CPU": 0.001}
         opts["placement_group_bundles"] = [dict(bundle) for _ in range(args.tp_size)]
         opts["placement_group_strategy"] = "STRICT_PACK"
-        opts["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": w.num_gpus}
     return opts
 
 
@@ -147,10 +154,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 "in the worker" if cfg.ingress_in_worker else "own deployment")
     if cfg.ingress_in_worker:
         return serve.deployment(IngressWorker).options(**colocated_options(cfg)).bind(plain, board)
-    replicas = serve.deployment(EngineReplica).options(**worker_options(cfg)).bind(plain, board)
+    replicas = serve.deployment(EngineDeployment).options(**worker_options(cfg)).bind(plain, board)
     return serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": 0},
+        # On the request path too: at Ray's default priority, below the engines, it would starve
+        # on a busy node (streams, and the cancellation of the ones whose clients left).
+        ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env(MODEL_PROCESS_ENV)},
         max_ongoing_requests=10_000,
     ).bind(replicas, board, plain)

@@ -145,7 +145,8 @@ class IngressWorker(OpenAIIngress):
     and the `EngineReplica` methods that handles, Serve's controller and the batch job call."""
 
     async def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
-        self.engine = EngineReplica(args, board)
+        # On Serve's main loop (`settings.MODEL_REPLICA_ENV`): the model loads in a worker thread.
+        self.engine = await asyncio.to_thread(EngineReplica, args, board)
         worker = ClusterArgs(**args).worker
         await super().__init__(LocalReplicas(self.engine, worker), board, args)
 
@@ -181,5 +182,5 @@ class IngressWorker(OpenAIIngress):
     async def __del__(self) -> None:
         await super().__del__()
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.__del__()
+        if engine is not None:  # in a worker thread: the loop streams the last events meanwhile
+            await asyncio.to_thread(engine.__del__)

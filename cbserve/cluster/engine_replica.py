@@ -92,7 +92,7 @@ def _replica_id() -> str:
 
 
 class EngineReplica:
-    """Wrapped with `serve.deployment` in `app.py` (options come from `ClusterArgs`)."""
+    """One model and its manager; served as `EngineDeployment` (or inside `IngressWorker`)."""
 
     def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
         from transformers import GenerationConfig
@@ -238,3 +238,16 @@ class EngineReplica:
             self.manager = None
             if self.ranks is not None:
                 self.ranks.stop(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class EngineDeployment(EngineReplica):
+    """`EngineReplica` as a Serve deployment (`app.py`). Its replica runs request code on Serve's
+    main event loop (`settings.MODEL_REPLICA_ENV`), where Serve also calls the constructor and
+    `__del__`: loading the model and stopping the engine go to a worker thread, so that the loop
+    keeps answering Serve's controller (and keeps streaming the last requests) meanwhile."""
+
+    async def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
+        await asyncio.to_thread(super().__init__, args, board)
+
+    async def __del__(self) -> None:
+        await asyncio.to_thread(super().__del__)

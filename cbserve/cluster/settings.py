@@ -207,3 +207,24 @@ def torch_threads(args: ClusterArgs, node_cpus: float | None = None) -> int:
     """Torch threads of a rank on a CPU node: the CPUs it was given, a part-CPU counted whole
     (the part the proxy and ingress take is short and bursty; the model's threads fill it)."""
     return max(1, math.ceil(cpus_per_rank(args, node_cpus) - 1e-6))
+
+
+# The environment of the Ray processes on the request path: engine replicas (and their
+# tensor-parallel ranks), ingress replicas, the batch job's engine actors. Ray starts its workers
+# at nice 15, below its own daemons (raylet, GCS, dashboard, agents, at 0): on a CPU node each
+# wake-up of one of those took a core from a torch thread, and a parallel region waits for its
+# slowest thread. An ingress left at 15 beside engines at 0 starves on a busy node (its streams,
+# and the cancellation of those whose clients left). Ray's job manager sets the same variable
+# for the drivers it starts.
+MODEL_PROCESS_ENV = {"RAY_worker_niceness": "0"}
+
+# Serve replicas that run the model also run their request code on Serve's main event loop
+# rather than on a loop of its own thread (Serve's default, part of its RAY_SERVE_THROUGHPUT_OPTIMIZED
+# mode): a streamed token crosses one thread less. Nothing of theirs blocks that loop for long:
+# the model loads and the engine stops in worker threads, the engine steps in its own.
+MODEL_REPLICA_ENV = {**MODEL_PROCESS_ENV, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+def runtime_env(env_vars: dict[str, str]) -> dict[str, Any]:
+    """A Ray `runtime_env` setting `env_vars` (merged by Ray with the job's own runtime_env)."""
+    return {"env_vars": dict(env_vars)}

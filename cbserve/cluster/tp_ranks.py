@@ -17,6 +17,8 @@ from typing import Any
 
 import ray
 
+from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
+
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0
@@ -92,7 +94,7 @@ class RankGroup:
             TPRank.options(
                 name=None if name is None else rank_actor_name(name, rank),
                 namespace=None if name is None else RANK_NAMESPACE,
-                num_cpus=num_cpus, num_gpus=num_gpus,
+                num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=runtime_env(MODEL_PROCESS_ENV),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                      placement_group_bundle_index=rank),
             ).remote(model_name, dtype_name, rank, world)

@@ -62,6 +62,9 @@ class WorkerStatsCollector:
                       lambda s: s.get("prefix_hit_tokens", 0))
         yield counter("vllm:num_preemptions", "Requests preempted by the engine (pages needed elsewhere).",
                       lambda s: s.get("preemptions", 0))
+        yield counter("cbserve:engine_steps", "Forward steps the engine ran.", lambda s: s.get("steps", 0))
+        yield counter("cbserve:engine_busy_seconds", "Wall time the engine spent in its steps (busy share = "
+                      "its rate).", lambda s: s.get("busy_seconds", 0.0))
         replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
                                      labels=["model_name"])
         replicas.add_metric([self._model_name], float(len(self.snapshot)))

@@ -102,6 +102,7 @@ class EngineCore:
         self.sampler = Sampler(self.shape.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.busy_seconds = 0.0  # wall time inside step(): with the wall clock, how busy the engine was
         # Seconds spent in each phase of step(), summed: host overhead vs model time.
         self.timings = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0}
         self.generated_tokens = 0
@@ -261,12 +262,15 @@ class EngineCore:
 
         With async batching the tokens returned are those of the previous call's forward pass,
         read after this call's pass was launched."""
+        start = time.perf_counter()
         try:
             return self._step()
         except TensorParallelError:
             if self.parallel is not None:
                 self.parallel.abort()
             raise
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def _step(self) -> list[Request]:
         t0 = time.perf_counter()
@@ -378,7 +382,7 @@ class EngineCore:
         if self.parallel is not None:
             self.parallel.check_health()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         host = self.scheduler.host_pages
         return {
             "running": len(self.scheduler.running),
@@ -394,5 +398,6 @@ class EngineCore:
             "restores": host.num_restores if host else 0,
             "node_pool_hit_tokens": host.num_node_hit_tokens if host else 0,
             "steps": self.num_steps,
+            "busy_seconds": self.busy_seconds,
         }
 
