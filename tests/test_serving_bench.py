@@ -52,3 +52,12 @@ def test_cpu_of_a_process_tree() -> None:
     sum(i * i for i in range(2_000_000))
     used = serving.cpu_used(before, serving.tree_cpu(os.getpid()))
     assert sum(used.values()) > 0
+
+
+def test_engine_share_and_the_rounds_summary() -> None:
+    share = serving._engine_share((10, 2.0), (110, 11.0), wall=10.0)  # 100 steps, 9 s busy in 10 s
+    assert share == {"steps": 100, "step_ms": pytest.approx(90.0), "busy_share": pytest.approx(0.9)}
+    assert serving._engine_share(None, (110, 11.0), wall=10.0)["steps"] is None  # the server has no counters
+    line = serving.level_summary(32, [{"throughput_ratio": 0.8, "itl_ratio": 1.2},
+                                      {"throughput_ratio": 1.0, "itl_ratio": None}])
+    assert "mean 0.90 (min 0.80, max 1.00)" in line and "ITL p50 http/engine mean 1.20" in line
