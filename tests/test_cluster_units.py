@@ -433,3 +433,17 @@ def test_ray_config_yaml_is_a_valid_serve_config() -> None:
     import importlib
 
     assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_http_reaching_an_engine_replica_gets_an_explicit_503() -> None:
+    """During a redeploy that moves the ingress into the worker, Serve's proxy routes HTTP to the
+    previous version's engine replicas (no routes): they answer a 503 in OpenAI's shape to retry,
+    not Serve's plain-text 500 for a missing `__call__`."""
+    from cbserve.cluster.engine_replica import EngineDeployment
+
+    replica = EngineDeployment.__new__(EngineDeployment)  # no model: only the refusal is exercised
+    replica.args = ClusterArgs(worker={"retry_after_s": 2.0})
+    resp = asyncio.run(replica(None))
+    body = json.loads(resp.body)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "2"
+    assert body["error"]["code"] == "redeploying" and body["error"]["type"] == "service_unavailable"

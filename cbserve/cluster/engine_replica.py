@@ -30,7 +30,7 @@ from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
 from cbserve.serving.constraints import Grammars
-from cbserve.serving.errors import ABORTED, error_event
+from cbserve.serving.errors import ABORTED, APIError, error_event
 from cbserve.serving.generation import ModelInfo, run_request
 from cbserve.serving.metrics import kv_usage
 from cbserve.serving.protocol import WorkerEvent, WorkerRequest
@@ -251,3 +251,11 @@ class EngineDeployment(EngineReplica):
 
     async def __del__(self) -> None:
         await asyncio.to_thread(super().__del__)
+
+    async def __call__(self, request: Any) -> Any:
+        """HTTP reaching an engine replica, which has no routes. It happens while a redeploy moves
+        the ingress into the worker (`ingress_placement: auto`, max_replicas going to 1): Serve's
+        proxy then routes to the `LLMWorker` deployment, whose replicas of the previous version are
+        engines alone until they are replaced. Refused explicitly: a 503 to retry."""
+        return APIError(503, "the server is being redeployed; retry the request", code="redeploying",
+                        retry_after_s=self.args.worker.retry_after_s).response()
