@@ -306,7 +306,9 @@ def test_default_values_render_the_serve_config_of_ray_config(helm: Any) -> None
     assert container["resources"]["requests"] == {"cpu": "2", "memory": "32Gi"}  # 1 rank x 1 CPU + 1; 32Gi per rank
     assert worker["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     for group in (cluster["headGroupSpec"], worker):
-        assert "env" not in group["template"]["spec"]["containers"][0]  # no API key by default
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert "CBSERVE_API_KEY" not in env  # no API key by default
+        assert env["RAY_worker_niceness"]["value"] == "0"  # workers at the node's priority
 
 
 def test_tp4_autoscaling_api_key_and_service_monitor(helm: Any) -> None:
