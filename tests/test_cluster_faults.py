@@ -94,8 +94,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     http_port = free_port()
     # address="local": a new cluster, never one that `ray start` left on this machine. Logical
     # CPUs: 2 x 0.5 (faults) + 2 x 0.5 (tp) + room for replacements started before the old go.
+    # Every Ray worker at the node's priority, Serve's proxy included, as `make serve` and the Helm
+    # chart start them (`cluster/run.py`): the proxy's disconnects are what the tests time.
     try:  # ray.init inside: a start that times out still gets its processes shut down
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
+            ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         t0 = time.monotonic()
         serve.run_many([RunTarget(build_app(_faults_args(model_dir, 2)), name="faults", route_prefix="/faults"),
