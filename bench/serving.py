@@ -471,6 +471,8 @@ def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.url and args.server_env:
+        sys.exit("--server-env sets the environment of a server this bench starts; not with --url")
     from cbserve.cluster.settings import ClusterArgs, torch_threads
 
     config = serve_config(args)

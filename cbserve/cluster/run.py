@@ -61,8 +61,10 @@ def start(config: dict[str, Any], address: str | None) -> list[str]:
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(config)
-    if address is None:  # the Ray started here: every worker (proxy, replicas) at this process's priority,
-        os.environ.setdefault("RAY_worker_niceness", "0")  # not at nice 15 below Ray's daemons (README)
+    if address is None:
+        # The Ray started here runs every worker (proxy, replicas) at this process's priority, not
+        # at nice 15 below Ray's own daemons (README, "Serving speed").
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=address or "local", namespace="serve")
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
