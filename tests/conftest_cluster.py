@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,9 +87,19 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range
+    (32768 and up): a port the kernel picks (bind to 0) comes from the range Ray's own connections
+    draw from, and one was taken before Serve's proxy could bind it."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
