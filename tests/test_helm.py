@@ -95,6 +95,10 @@ DOCUMENTED_KEYS = [
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
+# With a read-only root filesystem every container writes under this emptyDir.
+TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
+TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+
 
 def _load(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
@@ -462,8 +466,10 @@ def test_the_8gpu_values_file_installs_tp8(helm: Any) -> None:
     pod = group["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"cpu": "18", "memory": "768Gi", "nvidia.com/gpu": 8}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.count": "8"}
-    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "llm-weights", "readOnly": True}}]
-    assert pod["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "llm-weights", "readOnly": True}},
+                              TMP_VOLUME]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True},
+                                                    TMP_MOUNT]
 
 
 def test_weights_from_a_volume_or_an_object_store(helm: Any) -> None:
@@ -471,8 +477,8 @@ def test_weights_from_a_volume_or_an_object_store(helm: Any) -> None:
     svc = rayservice(render(helm, pvc))
     cluster = svc["spec"]["rayClusterConfig"]
     worker = cluster["workerGroupSpecs"][0]["template"]["spec"]
-    assert worker["volumes"] == [{"name": "model", "hostPath": {"path": "/mnt/models"}}]
-    assert "volumes" not in cluster["headGroupSpec"]["template"]["spec"]  # the head loads no model
+    assert worker["volumes"] == [{"name": "model", "hostPath": {"path": "/mnt/models"}}, TMP_VOLUME]
+    assert cluster["headGroupSpec"]["template"]["spec"]["volumes"] == [TMP_VOLUME]  # the head loads no model
     assert app_args(serve_config(svc))["model"] == "/models/Qwen2.5-7B-Instruct"
 
     s3 = {"model": {"name": "/models/Qwen2.5-7B-Instruct", "download": {
@@ -483,9 +489,10 @@ def test_weights_from_a_volume_or_an_object_store(helm: Any) -> None:
     assert "s3://weights/models/Qwen2.5-7B-Instruct" in init["args"][0]
     assert "'/models/Qwen2.5-7B-Instruct'" in init["args"][0] or '"/models/Qwen2.5-7B-Instruct"' in init["args"][0]
     assert "--endpoint-url" in init["args"][0] and init["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
-    assert worker["volumes"] == [{"name": "model", "emptyDir": {"sizeLimit": "200Gi"}}]
-    assert worker["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": False}]
-    assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+    assert worker["volumes"] == [{"name": "model", "emptyDir": {"sizeLimit": "200Gi"}}, TMP_VOLUME]
+    assert worker["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": False},
+                                                       TMP_MOUNT]
+    assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}, TMP_MOUNT]
 
 
 def test_a_worker_group_per_accelerator_type(helm: Any) -> None:

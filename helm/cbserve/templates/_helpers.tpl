@@ -46,6 +46,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.model.download.enabled .Values.model.volume -}}
 {{- fail "model: set either volume or download, not both" -}}
 {{- end -}}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.kuberayOperator.namespace) -}}
+{{- fail "networkPolicy.kuberayOperator.namespace must name the KubeRay operator's namespace: it deploys the Serve config through the head's dashboard port, which the NetworkPolicy closes to everyone else" -}}
+{{- end -}}
 {{- if .Values.batch.enabled -}}
 {{- if not .Values.shared.volume -}}
 {{- fail "batch.enabled needs shared.volume: the job's results would otherwise be written on its head pod's own disk and lost with it" -}}
@@ -81,6 +84,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- with .Values.model.dtype }}{{ $_ := set $args "dtype" . }}{{ end -}}
 {{- /* the key comes from the Secret through $CBSERVE_API_KEY, never from this ConfigMap-like text */ -}}
 {{- $_ := set $args "api_key" nil -}}
+{{- if and .Values.apiKey.existingSecret .Values.apiKey.protectMetrics }}{{ $_ := set $args "metrics_require_api_key" true }}{{ end -}}
 {{- $worker := $args.worker | default dict -}}
 {{- $_ := set $worker "num_gpus" 1 -}}
 {{- $_ := set $worker "num_cpus" .Values.worker.cpusPerRank -}}
@@ -196,6 +200,7 @@ if given, else sized from tp_size; the GPU limit is always tp_size.
 {{- with $v.shared.volume -}}
 {{- $out = append $out (merge (dict "name" "shared") (deepCopy .)) -}}
 {{- end -}}
+{{- $out = append $out (include "cbserve.tmpVolume" .root | fromYaml) -}}
 {{- with (include "cbserve.nodePoolShm" .root) -}}
 {{- $out = append $out (dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" .)) -}}
 {{- end -}}
@@ -220,6 +225,7 @@ node's shared KV pool: its budget plus 1 Gi for Ray; empty otherwise. */}}
 {{- if $v.shared.volume -}}
 {{- $out = append $out (dict "name" "shared" "mountPath" $v.shared.mountPath) -}}
 {{- end -}}
+{{- $out = append $out (dict "name" "tmp" "mountPath" "/tmp") -}}
 {{- if include "cbserve.nodePoolShm" .root -}}
 {{- $out = append $out (dict "name" "dshm" "mountPath" "/dev/shm") -}}
 {{- end -}}
@@ -240,8 +246,13 @@ node's shared KV pool: its budget plus 1 Gi for Ray; empty otherwise. */}}
     - secretRef:
         name: {{ . | quote }}
   {{- end }}
+  env:
+    - {name: HOME, value: /tmp}   # the image's is /root, which the pod's non-root user cannot write
+  securityContext:
+    {{- include "cbserve.containerSecurityContext" . | nindent 4 }}
   volumeMounts:
     - {name: model, mountPath: {{ .Values.model.mountPath | quote }}}
+    - {name: tmp, mountPath: /tmp}
 {{- end -}}
 
 {{/* A pod template (dict "root" $ "worker" bool "name" container "resources" dict "group" group|nil). */}}
@@ -255,7 +266,12 @@ node's shared KV pool: its budget plus 1 Gi for Ray; empty otherwise. */}}
 metadata:
   labels:
     {{- include "cbserve.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
 spec:
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
+  {{- /* only the head of an autoscaled cluster calls the Kubernetes API (KubeRay's autoscaler sidecar) */}}
+  automountServiceAccountToken: {{ and (not .worker) (eq .component "serving") $v.autoscaling.enabled }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -284,6 +300,8 @@ spec:
     - name: {{ .name }}
       image: {{ printf "%s:%s" $v.image.repository ($v.image.tag | toString) | quote }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
+      securityContext:
+        {{- include "cbserve.containerSecurityContext" .root | nindent 8 }}
       ports:
         {{- if not .worker }}
         - {name: gcs-server, containerPort: 6379}
@@ -306,13 +324,17 @@ spec:
       {{- end }}
 {{- end -}}
 
-{{/* The head group (no CPUs for Ray: it runs no replica). */}}
+{{/* The head group (dict "root" $ "component" "serving"|"batch"): no CPUs for Ray, it runs no
+replica; its Service stays inside the cluster (ClusterIP: the dashboard, GCS and client ports
+are code execution). */}}
 {{- define "cbserve.headGroup" -}}
-{{- $params := merge (dict "num-cpus" "0") (deepCopy .Values.head.rayStartParams) (dict "dashboard-host" "0.0.0.0") -}}
+{{- $root := .root -}}
+{{- $params := merge (dict "num-cpus" "0") (deepCopy $root.Values.head.rayStartParams) (dict "dashboard-host" "0.0.0.0") -}}
+serviceType: ClusterIP
 rayStartParams:
   {{- include "cbserve.rayStartParams" $params | nindent 2 }}
 template:
-  {{- include "cbserve.podTemplate" (dict "root" . "worker" false "name" "ray-head" "resources" .Values.head.resources) | nindent 2 }}
+  {{- include "cbserve.podTemplate" (dict "root" $root "worker" false "name" "ray-head" "resources" $root.Values.head.resources "component" .component) | nindent 2 }}
 {{- end -}}
 
 {{/* The GPU worker groups (a YAML list). */}}
@@ -326,12 +348,13 @@ template:
     {{- include "cbserve.rayStartParams" $.Values.worker.rayStartParams | nindent 4 }}
   template:
     {{- $res := include "cbserve.workerResources" (dict "root" $ "group" $g) | fromYaml }}
-    {{- include "cbserve.podTemplate" (dict "root" $ "worker" true "name" "ray-worker" "resources" $res "group" $g) | nindent 4 }}
+    {{- include "cbserve.podTemplate" (dict "root" $ "worker" true "name" "ray-worker" "resources" $res "group" $g "component" "serving") | nindent 4 }}
 {{- end }}
 {{- end -}}
 
-{{/* Environment of every Ray container: the API key from its Secret, then `env`. */}}
+{{/* Environment of every Ray container: the API key from its Secret, the caches' folders, then `env`. */}}
 {{- define "cbserve.env" -}}
+{{- include "cbserve.cacheEnv" . }}
 {{- if .Values.apiKey.existingSecret }}
 - name: CBSERVE_API_KEY
   valueFrom:
@@ -349,4 +372,81 @@ template:
 {{- $out := dict -}}
 {{- range $k, $v := . }}{{ $_ := set $out $k ($v | toString) }}{{ end -}}
 {{- toYaml $out -}}
+{{- end -}}
+
+{{/* The emptyDir at /tmp: with a read-only root filesystem, where Ray writes its session (logs,
+sockets, spilled objects) and the caches of `cbserve.cacheEnv` live. */}}
+{{- define "cbserve.tmpVolume" -}}
+{{- $dir := dict -}}
+{{- with .Values.tmp.sizeLimit }}{{ $_ := set $dir "sizeLimit" . }}{{ end -}}
+{{- toYaml (dict "name" "tmp" "emptyDir" $dir) -}}
+{{- end -}}
+
+{{/* A container's securityContext: `containerSecurityContext` with the pod's user. */}}
+{{- define "cbserve.containerSecurityContext" -}}
+{{- $pod := .Values.podSecurityContext -}}
+{{- $out := deepCopy .Values.containerSecurityContext -}}
+{{- range $k := list "runAsUser" "runAsGroup" -}}
+{{- if and (hasKey $pod $k) (not (hasKey $out $k)) }}{{ $_ := set $out $k (get $pod $k) }}{{ end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* With a read-only root filesystem, the caches that would go under $HOME (the image's, read-only)
+go under /tmp instead: Triton's compiled kernels, cbserve's C++ CPU kernels and dequantized GGUF
+models, CUDA's JIT cache. Names already in `env` are left to it. The Hugging Face cache stays the
+image's (read-only): a model by HF id must be in it, or come from model.volume / model.download. */}}
+{{- define "cbserve.cacheEnv" -}}
+{{- if .Values.containerSecurityContext.readOnlyRootFilesystem -}}
+{{- $given := dict -}}
+{{- range .Values.env }}{{ $_ := set $given .name true }}{{ end -}}
+{{- $caches := dict "TRITON_CACHE_DIR" "/tmp/cache/triton" "TORCH_EXTENSIONS_DIR" "/tmp/cache/torch_extensions"
+    "CBSERVE_CACHE_DIR" "/tmp/cache/cbserve" "CUDA_CACHE_PATH" "/tmp/cache/nv" -}}
+{{- range $name := keys $caches | sortAlpha }}
+{{- if not (hasKey $given $name) }}
+- {name: {{ $name }}, value: {{ get $caches $name }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* Ray's token authentication (KubeRay authOptions): the dashboard, job submission and GCS ask
+for a token that KubeRay keeps in a Secret and gives to every Ray container and to itself. */}}
+{{- define "cbserve.rayAuth" -}}
+{{- if .Values.rayAuth.enabled -}}
+{{- if semverCompare "<2.52.0-0" (toString .Values.rayVersion) -}}
+{{- fail (printf "rayAuth.enabled needs Ray 2.52.0 or later (token authentication), rayVersion is %v: upgrade the image or set rayAuth.enabled false" .Values.rayVersion) -}}
+{{- end -}}
+authOptions:
+  mode: token
+{{- end -}}
+{{- end -}}
+
+{{/* The batch job's submitter pod (KubeRay runs `ray job submit` in it). */}}
+{{- define "cbserve.submitterPod" -}}
+metadata:
+  labels:
+    {{- include "cbserve.labels" . | nindent 4 }}
+    app.kubernetes.io/component: batch-submitter
+spec:
+  restartPolicy: Never
+  securityContext:
+    {{- toYaml .Values.podSecurityContext | nindent 4 }}
+  automountServiceAccountToken: false
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumes:
+    - {{ include "cbserve.tmpVolume" . | fromYaml | toJson }}
+  containers:
+    - name: ray-job-submitter
+      image: {{ printf "%s:%s" .Values.image.repository (.Values.image.tag | toString) | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      resources:
+        {{- toYaml .Values.batch.submitterResources | nindent 8 }}
+      securityContext:
+        {{- include "cbserve.containerSecurityContext" . | nindent 8 }}
+      volumeMounts:
+        - {name: tmp, mountPath: /tmp}
 {{- end -}}
