@@ -25,13 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cbserve.cluster.metrics_relay import MetricsRelay, this_replica
-from cbserve.cluster.ray_compat import backpressure, serve_http_host
+from cbserve.cluster.ray_compat import backpressure, serve_http_host, serve_request_id
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import grpc_service, tokenization
-from cbserve.serving.errors import APIError, openai_error, refusal
+from cbserve.serving.errors import APIError, internal_error, openai_error, refusal
 from cbserve.serving.json_body import parse_request
 from cbserve.serving.metrics import ServingMetrics
 from cbserve.serving.openai_service import OpenAIService, Reply
@@ -43,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-cbserve-replica"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+# Headers that Serve's proxy reads from the client and acts on, before the ingress sees them:
+# keep a request running after its client left, stretch or cut its timeout, pin a replica or a
+# multiplexed model. Refused (400 naming the header); compared with `_` as `-`, as Serve does.
+SERVE_CONTROL_HEADERS = ("x-request-disconnect-disabled", "x-request-timeout-seconds", "serve-multiplexed-model-id",
+                         "x-session-id")
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer
 
 # No /docs, /redoc or /openapi.json: they would describe the API to anyone, key or not.
 app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -86,8 +93,17 @@ def _open_error(exc: BaseException) -> APIError:
             "The server is overloaded (all workers busy and the queue full); retry after a short wait.",
             code="overloaded", retry_after_s=full.retry_after_s,
         )
-    logger.warning("worker call failed: %r", exc)
-    return APIError(503, f"no worker could serve the request: {type(exc).__name__}")
+    logger.warning("worker call failed (request id %s): %r", serve_request_id(), exc)
+    return APIError(503, "no worker could serve the request; retry it")
+
+
+def check_control_headers(headers: Any) -> None:
+    """Refuse the Serve headers a client must not set (`SERVE_CONTROL_HEADERS`)."""
+    for key in headers:
+        name = key.lower().replace("_", "-")
+        if name in SERVE_CONTROL_HEADERS:
+            raise APIError(400, f"header {key}: not accepted by this server (Serve's proxy would let it change how "
+                           "the request is run); send the request without it", param=key)
 
 
 @serve.ingress(app)
@@ -111,7 +127,7 @@ class OpenAIIngress:
         host = serve_http_host()
         if host not in LOOPBACK_HOSTS:
             logger.warning(
-                "No API key is set (args.api_key or $CBSERVE_API_KEY) and HTTP is bound to %r: "
+                "No API key is set (args.api_key or $CBSERVE_API_KEY) and HTTP (and gRPC) is bound to %r: "
                 "anyone who can reach it can use the model.", host
             )
 
@@ -165,20 +181,39 @@ class OpenAIIngress:
         return bytes(body)
 
     def _error(self, exc: APIError) -> JSONResponse:
+        if exc.code == "internal_error":  # the log line of the failure and the client share the id
+            request_id = serve_request_id()
+            logger.error("internal error answered (request id %s)", request_id)
+            exc = internal_error(request_id)
         self.metrics.http_errors.labels(self.metrics.model_name, str(exc.status)).inc()
         return exc.response()
+
+    def _client_left(self, request: Request) -> Response:
+        """The client closed the connection while its body was being read: one quiet line."""
+        logger.info("%s %s: client disconnected while sending the body (%d)", request.method, request.url.path,
+                    CLIENT_CLOSED)
+        self.metrics.http_errors.labels(self.metrics.model_name, str(CLIENT_CLOSED)).inc()
+        return Response(status_code=CLIENT_CLOSED)
+
+    def _unexpected(self, request: Request) -> JSONResponse:
+        """A failure of ours: the traceback to the log, a request id to the client."""
+        request_id = serve_request_id()
+        logger.exception("unexpected error serving %s (request id %s)", request.url.path, request_id)
+        return self._error(internal_error(request_id))
 
     async def _serve(self, request: Request, schema: type, run: Any) -> Response:
         arrival = time.perf_counter()
         try:
             self._check_auth(request)
+            check_control_headers(request.headers)
             req = parse_request(await self._read_body(request), schema)
             reply: Reply = await run(req, arrival)
         except APIError as exc:
             return self._error(exc)
-        except Exception as exc:
-            logger.exception("unexpected error serving %s", request.url.path)
-            return self._error(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        except ClientDisconnect:
+            return self._client_left(request)
+        except Exception:  # noqa: BLE001 - answered with a request id, logged with the traceback
+            return self._unexpected(request)
         headers = {REPLICA_HEADER: ",".join(reply.replicas)}
         if reply.stream is not None:
             headers["Cache-Control"] = "no-cache"
@@ -199,11 +234,14 @@ class OpenAIIngress:
         """A tokenizer route: `call(body)` parses the body and returns a replica call's result."""
         try:
             self._check_auth(request)
+            check_control_headers(request.headers)
             result = await call(await self._read_body(request) if request.method == "POST" else b"")
         except APIError as exc:
             return self._error(exc)
         except InvalidRequestError as exc:
             return self._error(openai_error(exc, "prompt"))
+        except ClientDisconnect:
+            return self._client_left(request)
         except Exception as exc:  # noqa: BLE001 - no replica answered
             return self._error(_open_error(exc))
         if "error" in result and isinstance(result["error"], dict):
@@ -248,7 +286,8 @@ class OpenAIIngress:
                 # Saturated, not broken: a failing health check would take the server out of a
                 # load balancer exactly when it is busiest.
                 return JSONResponse({"status": "ok", "overloaded": True})
-            return APIError(503, f"no worker replica answers: {type(exc).__name__}").response()
+            logger.warning("health check: no worker replica answers: %r", exc)
+            return APIError(503, "no worker replica answers").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -298,3 +337,7 @@ class OpenAIIngress:
             return await self._open_choice(wreq)
         except (APIError, InvalidRequestError) as exc:
             grpc_service.abort_with(grpc_context, exc, wreq)
+        except Exception:  # Serve would send the exception's text as the details
+            request_id = serve_request_id()
+            logger.exception("unexpected error serving gRPC Generate (request id %s)", request_id)
+            grpc_service.abort_with(grpc_context, internal_error(request_id), wreq)

@@ -8,6 +8,11 @@ What is private, and why it is used:
   named when prefix routing is off (Serve has no public name for it).
 - `ray.llm._internal...:PrefixCacheAffinityRouter`: Ray Serve LLM's prefix router, whose public
   name cannot be imported without vLLM or SGLang (the routing benchmark compares it with ours).
+- `ray.serve._private.default_impl.add_grpc_address`, which Serve's proxy calls with `[::]:<port>`
+  whatever `http_options.host` says (`gRPCOptions` has no host): `bind_grpc_to_host`, run in each
+  proxy through Serve's `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` hook before its gRPC server
+  starts, binds it to `$CBSERVE_GRPC_HOST` instead (`proxy_env_vars` sets both). And the
+  request id Serve gives each request (`x-request-id`), read from its request context.
 - Members of `RequestRouter` that `CompatRouter` reads or overrides: the replica queue-length
   cache and its probe (`_use_replica_queue_len_cache`, `_replica_queue_len_cache`,
   `_probe_queue_lens`), and the matching of a routed replica to its pending request
@@ -20,6 +25,7 @@ Ray, and `pyproject.toml` pins the Ray versions that test passed on.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError
@@ -41,6 +47,11 @@ PRIVATE_MEMBERS: list[tuple[str, str]] = [
     ("ray.serve._private.request_router", "PowerOfTwoChoicesRequestRouter"),
     ("ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router", "PrefixCacheAffinityRouter"),
     ("ray.serve._private.controller", "ServeController.get_http_config"),
+    ("ray.serve._private.default_impl", "add_grpc_address"),
+    ("ray.serve._private.grpc_util", "start_grpc_server"),
+    ("ray.serve._private.constants", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"),
+    ("ray.serve._private.http_util", "configure_http_middlewares"),  # calls the proxy callback
+    ("ray.serve.context", "_get_serve_request_context"),
     ("RequestRouter", "_use_replica_queue_len_cache"),
     ("RequestRouter", "_replica_queue_len_cache"),
     ("RequestRouter", "_probe_queue_lens"),
@@ -62,6 +73,58 @@ def serve_http_host(timeout_s: float = 10.0) -> str | None:
         return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
     except Exception as exc:  # noqa: BLE001 - advisory only; never fail startup over it
         logger.debug("could not read Serve's HTTP config: %r", exc)
+        return None
+
+
+# Environment of Serve's proxies (`proxy_env_vars`): the proxy calls the callback at start-up and
+# reads the message cap when it imports Serve's constants.
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+GRPC_HOST_ENV = "CBSERVE_GRPC_HOST"
+PROXY_CALLBACK = "cbserve.cluster.ray_compat.bind_grpc_to_host"
+
+
+def proxy_env_vars(host: str, max_message_bytes: int) -> dict[str, str]:
+    """Environment variables for Serve's proxies (the controller's `runtime_env`, which they
+    inherit): gRPC bound to `host` as HTTP is, and gRPC messages capped at `max_message_bytes`
+    (Serve's default is 2 GiB; larger messages get RESOURCE_EXHAUSTED before they are buffered)."""
+    return {PROXY_CALLBACK_ENV: PROXY_CALLBACK, GRPC_HOST_ENV: host, GRPC_MAX_MESSAGE_ENV: str(max_message_bytes)}
+
+
+def grpc_address(host: str, address: str) -> str:
+    """`address` (Serve's `[::]:<port>`) with `host` in place of the wildcard."""
+    port = address.rpartition(":")[2]
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def bind_grpc_to_host() -> list[Any]:
+    """Serve's proxy callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`), run in the proxy
+    before it starts its gRPC server: bind that server to `$CBSERVE_GRPC_HOST` instead of every
+    interface. Returns no HTTP middleware."""
+    host = os.environ.get(GRPC_HOST_ENV)
+    if not host:
+        return []
+    from ray.serve._private import default_impl
+
+    serve_add = getattr(default_impl.add_grpc_address, "__wrapped__", default_impl.add_grpc_address)
+
+    def add_grpc_address(server: Any, address: str) -> None:
+        serve_add(server, grpc_address(host, address))
+
+    add_grpc_address.__wrapped__ = serve_add  # type: ignore[attr-defined]
+    default_impl.add_grpc_address = add_grpc_address
+    logger.info("Serve's gRPC proxy binds to %s (not every interface)", host)
+    return []
+
+
+def serve_request_id() -> str | None:
+    """The id Serve gave the request being served (its `x-request-id`, in Serve's access log)."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or None
+    except Exception as exc:  # noqa: BLE001 - outside a request, or another Ray
+        logger.debug("no Serve request context: %r", exc)
         return None
 
 

@@ -68,7 +68,7 @@ def start(config: dict[str, Any], address: str | None) -> list[str]:
     ray.init(address=address or "local", namespace="serve")
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
-                grpc_options=schema.grpc_options.model_dump())
+                grpc_options=schema.grpc_options.model_dump(), controller_options=controller_options(config))
     names = []
     for app in schema.applications:
         serve.run(_builder(app.import_path)(app.args), name=app.name, route_prefix=app.route_prefix,
@@ -77,6 +77,26 @@ def start(config: dict[str, Any], address: str | None) -> list[str]:
     http = schema.http_options
     logger.info("serving %s at http://%s:%s (Ctrl-C stops)", ", ".join(names), http.host, http.port)
     return names
+
+
+def controller_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's `controller_options`, with the environment Serve's proxies inherit from the
+    controller (`ray_compat.proxy_env_vars`): gRPC bound to `http_options.host` (Serve binds it to
+    every interface otherwise) and gRPC messages capped at the largest `limits.max_body_bytes` of
+    the applications (one proxy serves them all). Variables the config sets itself are kept."""
+    from ray.serve.schema import HTTPOptionsSchema
+
+    from cbserve.cluster.ray_compat import proxy_env_vars
+    from cbserve.serving.settings import LimitsConfig
+
+    host = HTTPOptionsSchema(**(config.get("http_options") or {})).host  # as Serve reads the config
+    cap = max((LimitsConfig(**((app.get("args") or {}).get("limits") or {})).max_body_bytes
+               for app in config.get("applications") or []), default=LimitsConfig().max_body_bytes)
+    options = dict(config.get("controller_options") or {})
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**proxy_env_vars(host, cap), **(runtime_env.get("env_vars") or {})}
+    options["runtime_env"] = runtime_env
+    return options
 
 
 def end_streams(apps: list[str], timeout_s: float) -> None:

@@ -9,6 +9,7 @@ rules (the API's names). Each front maps the field to its own name without readi
 
 from __future__ import annotations
 
+import logging
 import math
 
 from fastapi.responses import JSONResponse
@@ -29,7 +30,9 @@ _TYPES = {
 }
 
 # Engine arguments under their OpenAI names; None: set by the server, not by the client.
-_OPENAI_PARAMS: dict[str, str | None] = {"max_new_tokens": "max_tokens", "request_id": None, "eos_token_id": None}
+_OPENAI_PARAMS: dict[str, str | None] = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "request_id": None, "eos_token_id": None}
+
+logger = logging.getLogger(__name__)
 
 ABORTED = "the request was cancelled by the server (a worker is shutting down); retry it"
 CUT_SHORT = "the worker stopped before the request finished; retry it"
@@ -85,4 +88,15 @@ def refusal(ev: WorkerEvent, overload_status: int = 503,
         return InvalidRequestError(ev.field, ev.message)
     if ev.code == OVERLOADED:
         return APIError(overload_status, ev.message, code=OVERLOADED, retry_after_s=retry_after_s)
-    return APIError(ev.status or 500, ev.message, code=ev.code)
+    status = ev.status or 500
+    if status >= 500 and status != 503:
+        # A failure's text (an engine exception's) is for the log, never for the client.
+        logger.error("a request failed on its worker: %s", ev.message)
+        return internal_error(None)
+    return APIError(status, ev.message, code=ev.code)
+
+
+def internal_error(request_id: str | None) -> APIError:
+    """A 500 that says nothing of the failure (the log has it, under `request_id`)."""
+    where = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"internal server error{where}; the server's log has the details", code="internal_error")

@@ -100,10 +100,15 @@ def abort_with(grpc_context: Any, exc: APIError | InvalidRequestError, wreq: Wor
 
 
 def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
-    """A `GenerateRequest` as a worker request; raises `APIError` (undecodable, unknown model) or
-    `InvalidRequestError` (this front's rules and limits; the engine checks the values)."""
+    """A `GenerateRequest` as a worker request; raises `APIError` (undecodable, larger than
+    `limits.max_body_bytes`, unknown model) or `InvalidRequestError` (this front's rules and
+    limits; the engine checks the values). Serve's proxy refuses a larger message before it is
+    buffered when started by `cbserve.cluster.run` (`ray_compat.proxy_env_vars`)."""
     if isinstance(msg, UndecodableRequest):
         raise APIError(400, f"the request is not a valid cbserve.generate.GenerateRequest: {msg.error}")
+    limit = service.args.limits.max_body_bytes
+    if msg.ByteSize() > limit:  # HTTP's body cap, before anything reads the prompt (RESOURCE_EXHAUSTED)
+        raise APIError(413, f"the request is larger than the limit of {limit} bytes", code="body_too_large")
     service.check_model(msg.model or None)
     which = msg.WhichOneof("input")
     if which is None:

@@ -5,6 +5,7 @@ a front has (the engine knows nothing of them). Values the engine checks are pas
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,14 +81,22 @@ def worker_request(
     )
 
 
+# A token id as a JSON key: ASCII digits only (str.isdigit() also takes "²" and "٣", which int()
+# refuses), and short enough that int() never meets Python's 4,300-digit limit.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
+
+
 def logit_bias(bias: dict[str, float] | None, field: str = "logit_bias") -> dict[int, float] | None:
     """OpenAI's logit_bias (token ids as JSON keys) with integer keys; the engine checks the ids
-    and the [-100, 100] range."""
+    against the vocabulary and the [-100, 100] range."""
     if bias is None:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.strip().lstrip("-").isdigit():
-            raise InvalidRequestError(field, f"{field}: key {key!r} is not a token id")
-        out[int(key)] = value
+        text = key.strip() if isinstance(key, str) else ""
+        if not _TOKEN_ID_KEY.fullmatch(text):
+            shown = key[:40] + "..." if isinstance(key, str) and len(key) > 40 else key
+            raise InvalidRequestError(field, f"{field}: key {shown!r} is not a token id (an integer >= 0 in the "
+                                      "model's vocabulary)")
+        out[int(text)] = value
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -18,6 +19,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Below this a temperature is greedy: dividing float32 logits by it overflows to inf/NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+# A request's share of the engine (scheduler/fair_share.py): add_request's keywords.
+SCHEDULING_FIELDS = ("priority", "tenant", "parent_id")
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # vLLM's range (int64)
+MAX_SHARE_NAME = 256  # characters of a tenant or parent id
 
 
 def _is_int(value: Any) -> bool:
@@ -44,6 +49,22 @@ def prompt(input_ids: Any, vocab_size: int) -> list[int]:
             raise InvalidRequestError(
                 "input_ids", f"input_ids[{i}]: token id {t!r} is not an integer in the vocabulary [0, {vocab_size})")
     return list(input_ids)
+
+
+def scheduling(priority: Any = None, tenant: Any = None, parent_id: Any = None) -> dict[str, Any]:
+    """A request's `Request` fields for its share of the engine: `priority` (vLLM's: lower runs
+    first, default 0), `tenant` and `parent_id` (requests of one API call); None leaves one unset."""
+    fields: dict[str, Any] = {}
+    if priority is not None:
+        fields["priority"] = _integer("priority", priority, PRIORITY_MIN, PRIORITY_MAX)
+    for name, value in (("tenant", tenant), ("parent_id", parent_id)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_SHARE_NAME:
+            raise InvalidRequestError(name, f"{name} must be a string of 1 to {MAX_SHARE_NAME} characters, "
+                                      f"got {value!r:.80}")
+        fields[name] = value
+    return fields
 
 
 def max_new_tokens(value: Any) -> int:
@@ -99,9 +120,13 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise InvalidRequestError("logit_bias", f"logit_bias must map token ids to biases, got {value!r}")
     pairs = []
     for token, bias in value.items():
-        token = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+        # ASCII digits only: isdigit() takes "²", which int() refuses; at most 19 of them, so int()
+        # never meets Python's 4,300-digit limit.
+        if isinstance(token, str) and re.fullmatch(r"-?[0-9]{1,19}", token.strip()):
+            token = int(token)
         if not (_is_int(token) and 0 <= token < vocab_size):
-            raise InvalidRequestError("logit_bias", f"logit_bias: {token!r} is not a token id in [0, {vocab_size})")
+            shown = token[:40] + "..." if isinstance(token, str) and len(token) > 40 else token
+            raise InvalidRequestError("logit_bias", f"logit_bias: {shown!r} is not a token id in [0, {vocab_size})")
         pairs.append((token, _number("logit_bias", bias, -100, 100)))
     return tuple(pairs)
 
