@@ -91,6 +91,23 @@ DOCUMENTED_KEYS = [
     "batch.replicas",
     "batch.args",
     "batch.ttlSecondsAfterFinished",
+    "batch.submitterResources",
+    "apiKey.protectMetrics",
+    "rayAuth.enabled",
+    "podSecurityContext.runAsNonRoot",
+    "podSecurityContext.runAsUser",
+    "podSecurityContext.runAsGroup",
+    "podSecurityContext.fsGroup",
+    "podSecurityContext.seccompProfile",
+    "containerSecurityContext.allowPrivilegeEscalation",
+    "containerSecurityContext.readOnlyRootFilesystem",
+    "containerSecurityContext.capabilities",
+    "tmp.sizeLimit",
+    "networkPolicy.enabled",
+    "networkPolicy.kuberayOperator.namespace",
+    "networkPolicy.kuberayOperator.podLabels",
+    "networkPolicy.serveFrom",
+    "networkPolicy.extraIngress",
 ]
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -408,6 +425,8 @@ def test_fixed_replicas_without_autoscaling(helm: Any) -> None:
     ({"batch": {"enabled": True}}, "batch.enabled needs shared.volume"),
     ({"batch": {"enabled": True, "output": "/tmp/out.jsonl"}, "shared": {"volume": {"emptyDir": {}}}},
      "batch.output .* must be under shared.mountPath"),
+    ({"rayVersion": "2.50.0"}, "rayAuth.enabled needs Ray 2.52.0 or later"),
+    ({"networkPolicy": {"kuberayOperator": {"namespace": ""}}}, "networkPolicy.kuberayOperator.namespace must name"),
     ],
 )
 def test_bad_values_fail_with_a_message(helm: Any, values: dict[str, Any], message: str) -> None:
@@ -557,3 +576,319 @@ def test_the_node_kv_pool_gets_a_memory_backed_dev_shm(helm: Any) -> None:
     private = {"serve": {"args": {"cpu_offload": {"per_node_gib": 8}}}}
     worker = rayservice(render(helm, private))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert "dshm" not in str(worker)
+
+
+# ---- security and isolation (issue 26) ----------------------------------------------------------
+
+# The user of rayproject/ray images (and of images built FROM them): `ray`, uid 1000, gid 100.
+RAY_UID, RAY_GID = 1000, 100
+
+BATCH_VALUES: dict[str, Any] = {
+    "shared": {"volume": {"persistentVolumeClaim": {"claimName": "cbserve-shared"}}},
+    "batch": {"enabled": True},
+}
+DOWNLOAD_VALUES: dict[str, Any] = {
+    "model": {"download": {"enabled": True, "uri": "s3://weights/models/m"}},
+}
+
+
+def pod_templates(docs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every pod template the chart renders, by a name saying where it is."""
+    out: dict[str, dict[str, Any]] = {}
+    clusters = [("serving", d["spec"]["rayClusterConfig"]) for d in docs["rayservice.yaml"]]
+    for job in docs["batchjob.yaml"]:
+        clusters.append(("batch", job["spec"]["rayClusterSpec"]))
+        out["batch/submitter"] = job["spec"]["submitterPodTemplate"]
+    for name, cluster in clusters:
+        out[f"{name}/head"] = cluster["headGroupSpec"]["template"]
+        for group in cluster["workerGroupSpecs"]:
+            out[f"{name}/{group['groupName']}"] = group["template"]
+    return out
+
+
+def check_restricted_pod(where: str, pod: dict[str, Any]) -> None:
+    """Kubernetes' "restricted" Pod Security Standard, and a read-only root filesystem with /tmp writable."""
+    spec = pod["spec"]
+    ctx = spec["securityContext"]
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == RAY_UID and ctx["runAsGroup"] == RAY_GID, where
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, where
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), where
+    tmp = [v for v in spec["volumes"] if v["name"] == "tmp"]
+    assert tmp == [TMP_VOLUME], where
+    for c in spec["containers"] + spec.get("initContainers", []):
+        check_restricted_container(f"{where}/{c['name']}", c["securityContext"])
+        assert TMP_MOUNT in c["volumeMounts"], where
+
+
+def check_restricted_container(where: str, ctx: dict[str, Any]) -> None:
+    assert ctx["allowPrivilegeEscalation"] is False and ctx.get("privileged") is False, where
+    assert ctx["capabilities"] == {"drop": ["ALL"]}, where  # nothing added back
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == RAY_UID, where
+    assert ctx["readOnlyRootFilesystem"] is True, where
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, where
+
+
+@pytest.mark.parametrize("values", [None, BIG_VALUES, DOWNLOAD_VALUES, BATCH_VALUES, "values-8gpu.yaml"])
+def test_every_pod_and_container_runs_restricted(helm: Any, values: Any) -> None:
+    if isinstance(values, str):
+        values = _load(CHART / values)
+    docs = render(helm, values)
+    pods = pod_templates(docs)
+    assert {"serving/head", "serving/gpu-workers"} <= pods.keys() or "serving/gpu-8x" in pods
+    for where, pod in pods.items():
+        check_restricted_pod(where, pod)
+    cluster = rayservice(docs)["spec"]["rayClusterConfig"]
+    # KubeRay's autoscaler sidecar: its securityContext comes from autoscalerOptions.
+    auto = cluster["autoscalerOptions"]
+    check_restricted_container("serving/autoscaler", auto["securityContext"])
+    assert TMP_MOUNT in auto["volumeMounts"]
+    # Only the head of an autoscaled cluster gets Kubernetes API credentials (for that sidecar).
+    for where, pod in pods.items():
+        assert pod["spec"]["automountServiceAccountToken"] is (where == "serving/head"), where
+
+
+def test_read_only_root_filesystem_moves_the_home_caches_under_tmp(helm: Any) -> None:
+    """What would be written under $HOME (read-only now) goes to the /tmp emptyDir; `env` still wins."""
+    caches = {"TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "CBSERVE_CACHE_DIR", "CUDA_CACHE_PATH"}
+    mine = {"env": [{"name": "TRITON_CACHE_DIR", "value": "/shared/triton"}]}
+    for values, expected in ((None, {}), (mine, {"TRITON_CACHE_DIR": "/shared/triton"})):
+        for where, pod in pod_templates(render(helm, values)).items():
+            if where.endswith("submitter"):
+                continue
+            env = pod["spec"]["containers"][0]["env"]
+            names = [e["name"] for e in env]
+            assert len(names) == len(set(names)), names  # no name twice
+            values_of = {e["name"]: e.get("value") for e in env}
+            for name in caches:
+                assert values_of[name] == expected.get(name, values_of[name]), (where, name)
+                if name not in expected:
+                    assert values_of[name].startswith("/tmp/"), (where, name)
+    writable = {"containerSecurityContext": {"readOnlyRootFilesystem": False}}
+    for pod in pod_templates(render(helm, writable)).values():
+        env = pod["spec"]["containers"][0].get("env", [])
+        assert not caches & {e["name"] for e in env}
+
+
+def test_the_batch_submitter_pod_is_ours(helm: Any) -> None:
+    """KubeRay's `ray job submit` pod: our labels (the NetworkPolicy admits it by them), our image,
+    no Kubernetes credentials, no command (KubeRay writes it)."""
+    (job,) = render(helm, BATCH_VALUES)["batchjob.yaml"]
+    check_crd_schema(job)
+    pod = job["spec"]["submitterPodTemplate"]
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "batch-submitter"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == "llm"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "cbserve:0.1.0" and "command" not in container and "args" not in container
+
+
+# A NetworkPolicy peer: (namespace, its labels, pod labels); None for a client outside the cluster.
+Peer = tuple[str, dict[str, str], dict[str, str]] | None
+NAMESPACE_LABELS = {ns: {"kubernetes.io/metadata.name": ns} for ns in ("serving", "default", "elsewhere")}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what the chart writes
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(peer: dict[str, Any], source: Peer) -> bool:
+    if "ipBlock" in peer:
+        return source is None
+    if source is None:
+        return False
+    ns, ns_labels, labels = source
+    if "namespaceSelector" in peer:
+        in_ns = _selects(peer["namespaceSelector"], ns_labels)
+    else:
+        in_ns = ns == "serving"  # a bare podSelector means the policy's own namespace
+    return in_ns and _selects(peer.get("podSelector", {}), labels)
+
+
+def admitted(policies: list[dict[str, Any]], target: dict[str, str], port: int, source: Peer) -> bool:
+    """Whether Kubernetes' NetworkPolicy semantics let `source` reach a pod labelled `target` on `port`."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)
+                 and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True  # a pod no policy selects is open
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports):
+                continue
+            peers = rule.get("from")
+            if not peers or any(_peer_matches(peer, source) for peer in peers):
+                return True
+    return False
+
+
+def _ray_pods(docs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, str]]:
+    """Each pod's labels as KubeRay creates it (it adds ray.io/node-type)."""
+    out = {}
+    for where, pod in pod_templates(docs).items():
+        kind = "head" if where.endswith("/head") else "worker"
+        extra = {} if where.endswith("submitter") else {"ray.io/node-type": kind}
+        out[where] = pod["metadata"]["labels"] | extra
+    return out
+
+
+# Ray's ports: dashboard and job submission, GCS, Ray client, metrics, dashboard agent, a worker's.
+RAY_PORTS = (8265, 6379, 10001, 8080, 52365, 10002)
+
+
+def test_network_policy_admits_only_the_serve_ports_from_outside(helm: Any) -> None:
+    docs = render(helm, BATCH_VALUES)
+    policies = docs["networkpolicy.yaml"]
+    assert policies and all(p["apiVersion"] == "networking.k8s.io/v1" and p["kind"] == "NetworkPolicy"
+                            for p in policies)
+    pods = _ray_pods(docs)
+    operator = ("default", NAMESPACE_LABELS["default"], {"app.kubernetes.io/name": "kuberay-operator"})
+    strangers: list[Peer] = [
+        None,  # a client outside the cluster
+        ("serving", NAMESPACE_LABELS["serving"], {"app": "other"}),  # any pod of the release's namespace
+        ("serving", NAMESPACE_LABELS["serving"], {"app.kubernetes.io/name": "cbserve",
+                                                  "app.kubernetes.io/instance": "llm"}),  # half our labels
+        ("elsewhere", NAMESPACE_LABELS["elsewhere"], operator[2]),  # the operator's labels, another namespace
+    ]
+    for where, target in pods.items():
+        serving = where.startswith("serving/")
+        for source in strangers:
+            assert admitted(policies, target, 8000, source) is serving, (where, source)
+            assert admitted(policies, target, 9000, source) is serving, (where, source)
+            for port in RAY_PORTS:
+                assert not admitted(policies, target, port, source), (where, port, source)
+        # The KubeRay operator: each cluster's dashboard (Serve config, job status), nothing else.
+        for port in RAY_PORTS:
+            assert admitted(policies, target, port, operator) is (port == 8265 and where.endswith("/head")), (
+                where, port)
+
+    def pod(where: str) -> Peer:
+        return ("serving", NAMESPACE_LABELS["serving"], pods[where])
+
+    # Ray pods of one cluster reach each other on every port; the two clusters are apart.
+    for a in ("serving/head", "serving/gpu-workers"):
+        for b in ("serving/head", "serving/gpu-workers"):
+            assert all(admitted(policies, pods[b], port, pod(a)) for port in RAY_PORTS)
+            assert not any(admitted(policies, pods[b], port, pod(a.replace("serving", "batch")))
+                           for port in RAY_PORTS)
+    assert all(admitted(policies, pods["batch/head"], port, pod("batch/gpu-workers")) for port in RAY_PORTS)
+    # The job's submitter: its own cluster's dashboard only.
+    submitter = pod("batch/submitter")
+    assert admitted(policies, pods["batch/head"], 8265, submitter)
+    assert not admitted(policies, pods["serving/head"], 8265, submitter)
+    assert not any(admitted(policies, pods["batch/head"], port, submitter) for port in RAY_PORTS[1:])
+    assert not admitted(policies, pods["batch/gpu-workers"], 8265, submitter)
+
+
+def test_network_policy_knobs(helm: Any) -> None:
+    ingress_nginx = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    prometheus = {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                  "ports": [{"port": 8080, "protocol": "TCP"}]}
+    values = {"networkPolicy": {"kuberayOperator": {"namespace": "kuberay-system"}, "serveFrom": [ingress_nginx],
+                                "extraIngress": [prometheus]}, "head": {"rayStartParams": {"dashboard-port": 8266}}}
+    docs = render(helm, values)
+    policies, pods = docs["networkpolicy.yaml"], _ray_pods(docs)
+    nginx = ("ingress-nginx", {"kubernetes.io/metadata.name": "ingress-nginx"}, {})
+    monitoring = ("monitoring", {"kubernetes.io/metadata.name": "monitoring"}, {})
+    operator = ("kuberay-system", {"kubernetes.io/metadata.name": "kuberay-system"},
+                {"app.kubernetes.io/name": "kuberay-operator"})
+    for target in (pods["serving/head"], pods["serving/gpu-workers"]):
+        assert admitted(policies, target, 8000, nginx) and not admitted(policies, target, 8000, None)
+        assert admitted(policies, target, 8080, monitoring) and not admitted(policies, target, 8265, monitoring)
+    assert admitted(policies, pods["serving/head"], 8266, operator)
+    assert not admitted(policies, pods["serving/head"], 8265, operator)
+    assert render(helm, {"networkPolicy": {"enabled": False}})["networkpolicy.yaml"] == []
+
+
+@pytest.mark.parametrize("values", [None, BATCH_VALUES, {**BIG_VALUES, **BATCH_VALUES}])
+def test_ray_control_ports_stay_inside_the_cluster(helm: Any, values: Any) -> None:
+    """No Service beyond the cluster (ClusterIP everywhere, no Ingress), and Ray's token
+    authentication on the dashboard, job submission and GCS of every Ray cluster."""
+    docs = render(helm, values)
+    clusters = [d["spec"]["rayClusterConfig"] for d in docs["rayservice.yaml"]]
+    clusters += [d["spec"]["rayClusterSpec"] for d in docs["batchjob.yaml"]]
+    assert len(clusters) == (2 if values else 1)
+    for cluster in clusters:
+        assert cluster["authOptions"] == {"mode": "token"}
+        head = cluster["headGroupSpec"]
+        assert head["serviceType"] == "ClusterIP" and not head.get("enableIngress")
+    for doc in (d for docs_ in docs.values() for d in docs_):
+        assert doc["kind"] not in {"Ingress", "Route", "Gateway", "HTTPRoute"}, doc["kind"]
+        if doc["kind"] == "Service":
+            assert doc["spec"]["type"] == "ClusterIP", doc["metadata"]["name"]
+    assert "authOptions" not in rayservice(render(helm, {"rayAuth": {"enabled": False}}))["spec"]["rayClusterConfig"]
+
+
+def test_service_monitor_sends_the_api_key_when_metrics_need_it(helm: Any) -> None:
+    def scrape(values: dict[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+        docs = render(helm, values)
+        args = app_args(serve_config(rayservice(docs)))
+        _, monitor = docs["servicemonitor.yaml"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        return args.get("metrics_require_api_key", False), endpoint.get("authorization")
+
+    # With a key, /metrics asks for it (apiKey.protectMetrics) and Prometheus sends it from the Secret.
+    key = {"type": "Bearer", "credentials": {"name": "cbserve-api-key", "key": "key"}}
+    assert scrape(BIG_VALUES) == (True, key)
+    assert scrape({**BIG_VALUES, "apiKey": {**BIG_VALUES["apiKey"], "protectMetrics": False}}) == (False, None)
+    opened = {**BIG_VALUES, "apiKey": {**BIG_VALUES["apiKey"], "protectMetrics": False},
+              "serve": {"args": {"metrics_require_api_key": True}}}
+    assert scrape(opened) == (True, key)  # asked for through serve.args: still sent
+    assert scrape({"serviceMonitor": {"enabled": True}}) == (False, None)  # no key: nothing to send
+
+    # The metrics Service picks the serving cluster's head, not the batch job's.
+    docs = render(helm, {**BATCH_VALUES, "serviceMonitor": {"enabled": True}})
+    service = docs["servicemonitor.yaml"][0]
+    pods = _ray_pods(docs)
+    assert service["spec"]["selector"].items() <= pods["serving/head"].items()
+    assert not service["spec"]["selector"].items() <= pods["batch/head"].items()
+
+
+def _value_keys(text: str) -> list[tuple[str, bool]]:
+    """(dotted key, has a comment of its own) for every mapping key of values.yaml, list items aside."""
+    out: list[tuple[str, bool]] = []
+    stack: list[tuple[int, str]] = []
+    lines = text.splitlines()
+    list_indent: int | None = None
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if list_indent is not None and indent > list_indent:
+            continue  # inside a list's items: values, not knobs
+        list_indent = None
+        if stripped.startswith("- "):
+            list_indent = indent - 1
+            continue
+        match = re.match(r"([A-Za-z_][\w./-]*):(\s|$)", stripped)
+        assert match, line
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, match.group(1)))
+        above = lines[i - 1] if i else ""
+        commented = "#" in line or (above.strip().startswith("#") and above.index("#") == indent)
+        out.append((".".join(k for _, k in stack), commented))
+        if stripped.endswith(":") and i + 1 < len(lines) and lines[i + 1].lstrip().startswith("- "):
+            list_indent = indent
+    return out
+
+
+def test_every_value_is_commented() -> None:
+    """Each knob of values.yaml has a comment: on its line, right above it, or on a key it is under."""
+    keys = _value_keys((CHART / "values.yaml").read_text())
+    assert len(keys) > 80
+    commented = {k for k, c in keys if c}
+    names = {k for k, _ in keys}
+    leaves = [k for k in names if not any(other.startswith(k + ".") for other in names)]
+    bare = sorted(k for k in leaves if not any(k == c or k.startswith(c + ".") for c in commented))
+    assert not bare, bare
+
+
+def test_security_defaults(helm: Any) -> None:
+    """The secure settings are the defaults: values.yaml as it ships."""
+    values = _load(CHART / "values.yaml")
+    assert values["networkPolicy"]["enabled"] is True and values["rayAuth"]["enabled"] is True
+    assert values["apiKey"]["protectMetrics"] is True and values["networkPolicy"]["serveFrom"] == []
+    assert values["containerSecurityContext"]["readOnlyRootFilesystem"] is True
+    assert values["podSecurityContext"]["runAsUser"] == RAY_UID
