@@ -17,7 +17,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import stat
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +258,65 @@ def test_an_engine_that_cannot_use_the_pool_refuses_it(pool_name: str, arch: str
     with pytest.raises(ValueError, match="node_kv_pool .* needs prefix caching"):
         EngineCore(model, GenerationConfig(max_new_tokens=2), config(pool_name, **overrides))
     assert model.config._attn_implementation == own  # refused before the engine took the model's attention
+
+
+# -- the pool file: private, reserved, cleaned after a crash (issue 26) -----------------------
+
+
+def test_the_pool_file_is_private_whatever_the_umask(tmp_path) -> None:
+    old = os.umask(0)  # the worst umask: without an explicit mode the file would be 0666
+    try:
+        owner = NodeKVPool.create("private", 1 << 20, directory=tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(owner.path).st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["cbserve-kv-private"]  # no temporary file left
+    os.chmod(owner.path, 0o644)  # readable by every local user: engines refuse to put pages in it
+    with pytest.raises(PermissionError, match="not a private node KV pool file"):
+        NodeKVPool.attach("private", directory=tmp_path)
+    os.chmod(owner.path, 0o600)
+    planted = tmp_path / "cbserve-kv-planted"
+    planted.symlink_to(owner.path)  # a link is never followed
+    with pytest.raises(OSError):
+        NodeKVPool.attach("planted", directory=tmp_path)
+    owner.close()
+
+
+@pytest.mark.skipif(not os.path.ismount("/dev/shm"), reason="needs /dev/shm mounted (tmpfs)")
+def test_the_pool_memory_is_reserved_up_front() -> None:
+    """A sparse file on tmpfs takes memory only as pages are written: past the free space an
+    engine gets SIGBUS. The pool reserves it all at creation, and a pool larger than /dev/shm is
+    refused there."""
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    owner = NodeKVPool.create(name, 8 << 20, directory="/dev/shm")
+    try:
+        assert os.stat(owner.path).st_blocks * 512 >= 8 << 20
+    finally:
+        owner.close()
+    vfs = os.statvfs("/dev/shm")
+    too_big = vfs.f_blocks * vfs.f_frsize + (1 << 30)  # tmpfs refuses it before reserving any of it
+    with pytest.raises(OSError, match=r"cannot reserve its \d+ bytes in /dev/shm"):
+        NodeKVPool.create(name, too_big, directory="/dev/shm")
+    assert not list(Path("/dev/shm").glob(f"cbserve-kv-{name}*"))  # neither the pool nor its temporary file
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_files_of_dead_owners_are_removed_when_a_pool_is_created(tmp_path) -> None:
+    live = NodeKVPool.create("live", 1 << 20, directory=tmp_path)
+    crashed = NodeKVPool.create("crashed", 1 << 20, directory=tmp_path)
+    crashed.header[node_pool.H_OWNER_PID] = _dead_pid()  # as if its owner was SIGKILLed
+    crashed.detach()  # no close(): a crash leaves the file behind
+    half_made = tmp_path / f"cbserve-kv-other.{_dead_pid()}.tmp"  # its creator died before the rename
+    half_made.write_bytes(b"\0" * 4096)
+    foreign = tmp_path / "cbserve-kv-notapool"  # not a pool file: left alone
+    foreign.write_bytes(b"x" * 4096)
+    new = NodeKVPool.create("new", 1 << 20, directory=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cbserve-kv-live", "cbserve-kv-new", "cbserve-kv-notapool"]
+    assert live.alive() and NodeKVPool.attach("live", directory=tmp_path).alive()
+    for pool in (live, new):
+        pool.close()

@@ -70,6 +70,7 @@ def test_two_replicas_of_a_node_share_its_pool(ray_local: Any, tmp_path_factory:
     a, b = _engine(ray, shared), _engine(ray, shared)
     info_a, info_b = ray.get([a.info.remote(), b.info.remote()])
     assert info_a["node_kv_pool"] == info_b["node_kv_pool"] is not None  # one pool for the node
+    assert info_a["node_kv_pool"].startswith("job_")  # and for this job (a batch job's engines)
     assert info_a["cpu_offload_gib"] == 0.01  # each replica keeps only its staging pool
     [owner] = node_pools.owners().values()
     assert ray.get(owner.name.remote()) == info_a["node_kv_pool"]
@@ -108,6 +109,27 @@ def test_a_new_budget_replaces_the_nodes_pool(ray_local: Any) -> None:
     assert not old.alive()
     old.detach()
     assert node_pools.close_all() == 1
+
+
+def test_two_apps_on_a_node_keep_their_own_pools(ray_local: Any) -> None:
+    """Each app (and deployment) has its own pool and owner on a node: a second app with another
+    budget neither shares the first app's pages nor closes its pool."""
+    from cbserve.cluster import node_pools
+    from cbserve.workers.kv.node_pool import NodeKVPool
+
+    ray = ray_local
+    first = node_pools.ensure_node_pool(1 << 20, scope="app:first/LLMWorker")
+    pool = NodeKVPool.attach(first)
+    second = node_pools.ensure_node_pool(2 << 20, scope="app:second/LLMWorker")
+    other_deployment = node_pools.ensure_node_pool(1 << 20, scope="app:first/Other")
+    assert len({first, second, other_deployment}) == 3
+    assert pool.alive()  # the second app's budget did not replace the first app's pool
+    assert node_pools.ensure_node_pool(1 << 20, scope="app:first/LLMWorker") == first
+    capacities = {ray.get(o.name.remote()): ray.get(o.stats.remote())["capacity_bytes"]
+                  for o in node_pools.owners().values()}
+    assert capacities == {first: 1 << 20, second: 2 << 20, other_deployment: 1 << 20}
+    pool.detach()
+    assert node_pools.close_all() == 3
 
 
 def test_node_pool_refuses_tensor_parallel() -> None:

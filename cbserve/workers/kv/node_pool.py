@@ -7,6 +7,13 @@ that outlives the replicas), memory-mapped by every engine that attaches by name
 gives only a capacity; the first engine to attach formats it for its pages (page size, bytes
 per page, model fingerprint) and engines whose pages differ do not use it.
 
+The file holds prompts' token ids and KV: it is created with mode 0600 (owner only, whatever
+the umask) under a temporary name and renamed when whole, its memory reserved up front
+(`posix_fallocate`: a full tmpfs is a refusal at start, not a SIGBUS at the first page written
+past its end); engines attach only to a regular file of their own user with that mode (another
+local user can neither read the pages nor plant a pool of crafted pages). Creating a pool first
+removes this user's pool files whose owner died (a crash leaves its file, and its memory).
+
     header | slot table [slots, 8] int64 | slot tokens [slots, page_size] int32 | slot pages
 
 A slot holds one page of every layer's K and V ([2, layers, page_size, kv_heads, head_dim]),
@@ -26,11 +33,13 @@ dies or closes the pool, engines stop using it (every lookup misses).
 from __future__ import annotations
 
 import array
+import errno
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
+import stat
 import weakref
 import zlib
 from contextlib import contextmanager
@@ -53,6 +62,9 @@ ALIGN = 64
 
 
 DIRECTORY_ENV = "CBSERVE_NODE_KV_POOL_DIR"
+FILE_PREFIX = "cbserve-kv-"
+FILE_MODE = 0o600  # owner only: the pages are prompts' tokens and their KV
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # a planted symlink is refused, not followed
 
 
 def default_directory() -> Path:
@@ -66,7 +78,7 @@ def default_directory() -> Path:
 def pool_path(name: str, directory: str | os.PathLike[str] | None = None) -> Path:
     if not name or "/" in name:
         raise ValueError(f"node KV pool name must be a non-empty file name, got {name!r}")
-    return Path(directory or default_directory()) / f"cbserve-kv-{name}"
+    return Path(directory or default_directory()) / f"{FILE_PREFIX}{name}"
 
 
 def _process_start(pid: int) -> int:
@@ -103,6 +115,66 @@ def chain_keys(tokens: list[int], page_size: int, num_pages: int, salt: int) -> 
     return keys
 
 
+def _check_private(path: Path, st: os.stat_result) -> None:
+    """A pool file this user owns, that no one else may read or write."""
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private node KV pool file (a regular file of uid {os.geteuid()}, "
+                              f"mode 0600): uid {st.st_uid}, mode {stat.filemode(st.st_mode)}")
+
+
+def _reserve(fd: int, capacity_bytes: int, path: Path) -> None:
+    """The whole pool's memory, now: on tmpfs a sparse file that outgrows the free space kills
+    the engine that touches the missing page (SIGBUS) instead of refusing the pool."""
+    try:
+        os.posix_fallocate(fd, 0, capacity_bytes)
+    except OSError as exc:
+        vfs = os.statvfs(path.parent)
+        free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+        raise OSError(exc.errno or errno.ENOSPC,
+                      f"node KV pool {path.name}: cannot reserve its {capacity_bytes} bytes in {path.parent} "
+                      f"({free} of {total} bytes free: {exc.strerror}); lower the node's KV pool budget or give "
+                      f"{path.parent} more room") from exc
+
+
+def _stale(path: Path) -> bool:
+    """This user's pool file whose owner is gone (or closed it), or a temporary file of a
+    creator that died before renaming it."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    if path.suffix == ".tmp":
+        pid = path.name.rsplit(".", 2)[-2]
+        return pid.isdigit() and not _alive(int(pid), 0)
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        raw = os.pread(fd, (H_CLOSED + 1) * 8, 0)
+        if len(raw) < (H_CLOSED + 1) * 8:
+            return False
+        h = array.array("q", raw)
+        if h[H_MAGIC] != MAGIC:
+            return False  # not a pool of ours: left alone
+        dead = bool(h[H_CLOSED]) or not _alive(h[H_OWNER_PID], h[H_OWNER_START])
+        return dead and os.fstat(fd).st_ino == os.lstat(path).st_ino  # still the file just read
+    finally:
+        os.close(fd)
+
+
+def remove_stale(directory: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove this user's pool files in `directory` whose owners died; returns their paths."""
+    removed = []
+    for path in sorted(Path(directory or default_directory()).glob(FILE_PREFIX + "*")):
+        try:
+            if _stale(path):
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    if removed:
+        logger.info("removed %d node KV pool file(s) of dead owners: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
 def _checksum(data: torch.Tensor, tokens: torch.Tensor) -> int:
     return zlib.crc32(tokens.numpy().tobytes(), zlib.crc32(data.numpy()))
 
@@ -112,7 +184,12 @@ class NodeKVPool:
 
     def __init__(self, path: Path, owner: bool) -> None:
         self.path, self.owner = path, owner
-        self.fd = os.open(path, os.O_RDWR)
+        self.fd = os.open(path, os.O_RDWR | _OPEN_FLAGS)
+        try:
+            _check_private(path, os.fstat(self.fd))
+        except PermissionError:
+            os.close(self.fd)
+            raise
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size)
         self.header = torch.frombuffer(self.map, dtype=torch.int64, count=HEADER_SLOTS)
@@ -133,9 +210,10 @@ class NodeKVPool:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int, directory: str | os.PathLike[str] | None = None) -> NodeKVPool:
-        """The owner: a pool file of `capacity_bytes`. A file of the same name whose owner is
-        gone is replaced; one whose owner lives is refused."""
+        """The owner: a pool file of `capacity_bytes`, reserved in full. Files of dead owners are
+        removed first; a file of the same name whose owner lives is refused."""
         path = pool_path(name, directory)
+        remove_stale(path.parent)
         if path.exists():
             try:
                 stale = cls(path, owner=False)
@@ -146,14 +224,22 @@ class NodeKVPool:
             if live:
                 raise FileExistsError(f"node KV pool {name!r} ({path}) is owned by a live process")
             path.unlink(missing_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.truncate(capacity_bytes)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)  # this pid's own leftover (a pid is reused)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)  # the umask may have taken the owner's bits too
+            _reserve(fd, capacity_bytes, path)
             header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
             header[H_MAGIC], header[H_VERSION], header[H_CAPACITY] = MAGIC, VERSION, capacity_bytes
             header[H_OWNER_PID], header[H_OWNER_START] = os.getpid(), _process_start(os.getpid())
-            f.write(header.numpy().tobytes())
-        os.replace(tmp, path)  # whole or absent: an engine never maps a half-made header
+            os.pwrite(fd, header.numpy().tobytes(), 0)
+            os.replace(tmp, path)  # whole or absent: an engine never maps a half-made header
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
         return cls(path, owner=True)
 
     @classmethod
