@@ -10,6 +10,10 @@ replicas of the running Serve application NAME (started from `ray_config.yaml`).
 Line formats are in `schema.py`. A bad line gets an `error` record and never stops the job.
 Records are appended and flushed as requests finish; rerunning with the same `--output` skips the
 lines already written (see `io.py` for how a torn last line and engine failures are handled).
+One job at a time writes an output (a lock beside it); a second one is refused.
+
+Exit status: 0 when every line has its final record, 1 when some lines failed in the engine
+(rerun to retry them), 2 when the job could not run (bad options, no engines, output in use).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pydantic import ValidationError
 
 from cbserve.batch.job import run_batch
 from cbserve.batch.options import build_parser, cluster_args, options_from_args
+from cbserve.batch.progress import Summary
 
 logger = logging.getLogger("cbserve.batch")
 
@@ -54,11 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             ray.shutdown()
     logger.info("summary: %s", json.dumps(summary.as_dict()))
+    return exit_status(summary)
+
+
+def exit_status(summary: Summary) -> int:
+    """0 when every line has its final record; 1 when lines failed in the engine (their
+    `engine_error` records run again on a rerun), so that `ray job submit` reports FAILED."""
     if summary.errors.get("engine_error"):
         logger.warning(
             "%d lines failed in the engine; rerun with the same --output to retry them",
             summary.errors["engine_error"],
         )
+        return 1
     return 0
 
 

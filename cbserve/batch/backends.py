@@ -19,6 +19,7 @@ import logging
 from typing import Any, Protocol
 
 from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
+from cbserve.errors import InvalidRequestError
 from cbserve.serving.protocol import WorkerRequest
 from cbserve.serving.replies import ChoiceResult, fold
 
@@ -39,6 +40,16 @@ class Backend(Protocol):
     async def run(self, req: WorkerRequest) -> ChoiceResult: ...
 
     async def close(self) -> None: ...
+
+
+def _task_failure(where: str, exc: Exception) -> Exception:
+    """What a failed remote call means to the line: the `InvalidRequestError` that the remote code
+    raised (a `RayTaskError` carries it as its `cause`) is the line's refusal; anything else may
+    pass on another try, and names the remote exception rather than Ray's traceback."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, InvalidRequestError):
+        return InvalidRequestError(cause.field, cause.message)
+    return RetryableError(f"{where} failed: {type(cause).__name__}: {cause}")
 
 
 # -- mode 1: engine actors started by the job ----------------------------------------------------
@@ -75,8 +86,10 @@ class EnginePool:
         cpus_per_rank: float,
         gpus_per_rank: float,
         per_replica_concurrency: int = 64,
+        actor_cls: type[EngineActor] = EngineActor,
     ):
         self._args = args
+        self._actor_cls = actor_cls
         self._replicas = replicas
         self._tp_size = tp_size
         self._resources = {"CPU": cpus_per_rank, "GPU": gpus_per_rank}
@@ -106,7 +119,7 @@ class EnginePool:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls = ray.remote(EngineActor)
+        cls = ray.remote(self._actor_cls)
         options: dict[str, Any] = {
             "num_cpus": self._resources["CPU"],
             "num_gpus": self._resources["GPU"],
@@ -142,7 +155,7 @@ class EnginePool:
         self.engines = list(infos)
 
     async def run(self, req: WorkerRequest) -> ChoiceResult:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         i = min(range(len(self._actors)), key=self._in_flight.__getitem__)
         self._in_flight[i] += 1
@@ -150,6 +163,8 @@ class EnginePool:
             return await self._actors[i].run.remote(req)
         except RayActorError as exc:  # died (restarting) or unreachable
             raise RetryableError(f"engine actor {i} failed: {type(exc).__name__}") from exc
+        except RayTaskError as exc:  # alive, but its code raised for this request
+            raise _task_failure(f"engine actor {i}", exc) from exc
         finally:
             self._in_flight[i] -= 1
 
@@ -223,8 +238,8 @@ class ServeBackend:
             return await fold(self._stream.remote(req))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the replica died, backpressure, the deployment is unavailable...
-            raise RetryableError(f"Serve call failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the replica died or raised, backpressure, the deployment is unavailable...
+            raise _task_failure("Serve call", exc) from exc
 
     async def close(self) -> None:
         self._stream = None

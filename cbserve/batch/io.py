@@ -8,13 +8,20 @@ what an earlier run wrote, repairs the file and returns the keys of the lines al
 - a complete last line missing only its newline gets one;
 - lines that are not JSON, and `engine_error` records (failures of the engine, not of the line),
   are removed so that their lines run again; the file is then rewritten atomically.
+
+One job at a time writes an output: `OutputLock` holds an exclusive `flock` on `<output>.lock`
+beside it for the whole job (a file of its own: the atomic rewrite replaces the output's inode).
+The kernel drops the lock when the job's process dies, even by SIGKILL, so a resume never waits
+for a dead job; the lock file stays (removing it would let two jobs lock different inodes).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +108,48 @@ def _rewrite(path: Path, lines: list[bytes]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class OutputInUseError(RuntimeError):
+    """Another batch job holds the output's lock."""
+
+
+class OutputLock:
+    """An exclusive, non-blocking `flock` on `<output>.lock` (see the module doc)."""
+
+    def __init__(self, output: Path):
+        resolved = output.resolve()  # a symlink or another spelling of the path locks the same file
+        self.path = resolved.with_name(resolved.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            output = self.path.with_name(self.path.name.removesuffix(".lock"))
+            raise OutputInUseError(
+                f"--output: {output} is being written by another batch job ({holder} holds {self.path}); "
+                "wait for it to end or choose another --output"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> Self:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class ResultWriter:

@@ -4,6 +4,7 @@ concurrency on its backend (`backends.py`), writes one record per line (`io.py`)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
@@ -13,18 +14,19 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cbserve.batch.backends import Backend, EnginePool, RetryableError, ServeBackend
-from cbserve.batch.io import ResultWriter, prepare_output
+from cbserve.batch.io import OutputLock, ResultWriter, prepare_output
 from cbserve.batch.options import BatchOptions, cluster_args
 from cbserve.batch.progress import Progress, Summary
-from cbserve.batch.requests import RequestDefaults, error_text, is_retryable, to_result, to_worker_request
-from cbserve.batch.schema import (
-    BatchLine,
-    ResultLine,
-    describe_validation_error,
-    id_key,
-    line_key,
-    parse_line,
+from cbserve.batch.requests import (
+    RequestDefaults,
+    error_text,
+    is_retryable,
+    refused,
+    to_result,
+    to_worker_request,
 )
+from cbserve.batch.schema import BatchLine, ResultLine, id_key, line_key, parse_line
+from cbserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -75,48 +77,61 @@ class BatchJob:
         await self._started
 
     async def run(self) -> Summary:
+        with OutputLock(self.opts.output):  # before anything reads or repairs the output
+            return await self._run_locked()
+
+    async def _run_locked(self) -> Summary:
         opts = self.opts
         state = prepare_output(opts.output)
         if state.done:
             logger.info("resuming: %d lines of %s are already done", len(state.done), opts.output)
         total = sum(1 for _, text in _read_lines(opts.input) if text.strip())
         progress = Progress(total, opts.log_every, opts.progress)
-        seen: dict[str, int] = {}  # id key -> first line using it
-        tasks: set[asyncio.Task[None]] = set()
-        limit = asyncio.Semaphore(max(1, opts.concurrency or self.backend.default_concurrency))
         with ResultWriter(opts.output) as writer:
             try:
-                for lineno, text in _read_lines(opts.input):
-                    if not text.strip():
-                        progress.summary.blank += 1
-                        continue
-                    parsed = parse_line(text, lineno)
-                    key, parsed = self._claim(parsed, lineno, seen)
-                    if key in state.done:
-                        progress.skipped()
-                        continue
-                    if isinstance(parsed, ResultLine):
-                        writer.write(parsed)
-                        progress.written(False, parsed.error_type)
-                        continue
-                    await limit.acquire()
-                    if self._started is not None and self._started.done() and self._started.exception():
-                        limit.release()
-                        break  # the engines could not start: stop reading, re-raise below
-                    task = asyncio.create_task(self._run_line(parsed, lineno, writer, progress, limit))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                await asyncio.gather(*tasks)
-                if self._started is not None:
-                    await self._started  # raises if the engines could not start
+                await self._feed(state.done, writer, progress)
             finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
                 summary = progress.close()
                 summary.engines = list(self.backend.engines)
         logger.info("%s", progress.line())
         return summary
+
+    async def _feed(self, done: set[str], writer: ResultWriter, progress: Progress) -> None:
+        """Writes each line's record, running the lines that need an engine as bounded tasks.
+
+        A task raises only when the job cannot go on (the engines did not start, the output cannot
+        be written): reading stops and that error is raised here, never lost in a task."""
+        seen: dict[str, int] = {}  # id key -> first line using it
+        tasks: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+        limit = asyncio.Semaphore(max(1, self.opts.concurrency or self.backend.default_concurrency))
+        try:
+            for lineno, text in _read_lines(self.opts.input):
+                if not text.strip():
+                    progress.summary.blank += 1
+                    continue
+                key, parsed = self._claim(parse_line(text, lineno), lineno, seen)
+                if key in done:
+                    progress.skipped()
+                    continue
+                if isinstance(parsed, ResultLine):
+                    writer.write(parsed)
+                    progress.written(False, parsed.error_type)
+                    continue
+                await limit.acquire()
+                if failures:
+                    limit.release()
+                    break
+                task = asyncio.create_task(self._run_line(parsed, lineno, writer, progress, limit))
+                tasks.add(task)
+                task.add_done_callback(functools.partial(_settle, tasks, failures))
+            await asyncio.gather(*tasks)
+            if failures:
+                raise failures[0]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _claim(
@@ -141,8 +156,13 @@ class BatchJob:
         self, line: BatchLine, lineno: int, writer: ResultWriter, progress: Progress, limit: asyncio.Semaphore
     ) -> None:
         try:
-            await self._ensure_started()
-            record = await self._attempts(line, lineno, progress)
+            await self._ensure_started()  # raises out of the job: without engines no line can run
+            try:
+                record = await self._attempts(line, lineno, progress)
+            except Exception as exc:  # a fault no path foresaw: still this line's record, retried on resume
+                logger.exception("line %d: unexpected failure", lineno)
+                record = ResultLine(id=line.id, line=lineno, error=f"{type(exc).__name__}: {exc}",
+                                    error_type="engine_error", metadata=line.metadata)
             writer.write(record)
             usage = record.usage
             progress.written(
@@ -164,16 +184,9 @@ class BatchJob:
                 req = to_worker_request(
                     line, f"{self._run_id}-{lineno}-{attempt}", self.defaults, self.backend.has_chat_template
                 )
-            except ValidationError as exc:
-                return ResultLine(
-                    id=line.id,
-                    line=lineno,
-                    error=describe_validation_error(exc),
-                    error_type="invalid_request",
-                    metadata=line.metadata,
-                )
-            try:
                 result = await self.backend.run(req)
+            except (ValidationError, InvalidRequestError) as exc:  # the line's fault: final, not retried
+                return refused(line, lineno, exc)
             except RetryableError as exc:
                 error = str(exc)
                 logger.warning("line %d (attempt %d): %s", lineno, attempt + 1, error)
@@ -185,6 +198,13 @@ class BatchJob:
         return ResultLine(
             id=line.id, line=lineno, error=error, error_type="engine_error", metadata=line.metadata
         )
+
+
+def _settle(tasks: set[asyncio.Task[None]], failures: list[BaseException], task: asyncio.Task[None]) -> None:
+    """A line's task ended: forget it, keeping what it raised for `_feed` to raise."""
+    tasks.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        failures.append(task.exception())  # type: ignore[arg-type]
 
 
 async def run_batch(opts: BatchOptions) -> Summary:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbserve.batch.schema import BatchLine, ResultLine, TopToken, Usage
+from pydantic import ValidationError
+
+from cbserve.batch.schema import BatchLine, ResultLine, TopToken, Usage, describe_validation_error
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.constraints import requested
 from cbserve.serving.errors import front_message
@@ -111,6 +113,15 @@ def error_text(err: WorkerEvent, line: BatchLine) -> str:
     if err.field is None:
         return err.message or "engine error"
     return front_message(line_field(err.field, line), InvalidRequestError(err.field, err.message))
+
+
+def refused(line: BatchLine, lineno: int, exc: ValidationError | InvalidRequestError) -> ResultLine:
+    """The `invalid_request` record of a line whose request was refused before it ran."""
+    if isinstance(exc, InvalidRequestError):
+        message = front_message(line_field(exc.field, line), exc)
+    else:
+        message = describe_validation_error(exc)
+    return ResultLine(id=line.id, line=lineno, error=message, error_type="invalid_request", metadata=line.metadata)
 
 
 def to_result(line: BatchLine, lineno: int, result: ChoiceResult) -> ResultLine:
