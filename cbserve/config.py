@@ -52,6 +52,11 @@ class ContinuousBatchingConfig(BaseModel):
     )
     default_compile_level: int = Field(0, ge=0, le=3)
     scheduler: Literal["fifo", "prefill_first"] = "fifo"
+    parent_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="most of max_requests_per_batch that one parent request's choices (an API "
+        "call's n x prompts, requests sharing a parent_id) may hold in the running set, so that others are "
+        "always admitted (scheduler/fair_share.py); 1.0: no cap"
+    )
     safety_margin: float | None = Field(None, ge=0.0, le=1.0)
     return_logprobs: bool = False
     seed: int | None = None

@@ -52,8 +52,10 @@ def workload_from_hints(hints: Any) -> Workload | None:
 
 @functools.cache
 def _sampling_arguments() -> frozenset[str]:
-    """The per-request sampling arguments `add_request` takes as keywords (`validation.sampling`'s)."""
-    return frozenset(validation.SAMPLING_FIELDS) | frozenset(validation.OPTIONS)
+    """The per-request arguments `add_request` takes as keywords (`validation.sampling`'s and
+    `validation.scheduling`'s)."""
+    return (frozenset(validation.SAMPLING_FIELDS) | frozenset(validation.OPTIONS)
+            | frozenset(validation.SCHEDULING_FIELDS))
 
 
 class ContinuousBatchingManager:
@@ -280,7 +282,8 @@ class ContinuousBatchingManager:
         manager raises RuntimeError. `logit_processor_kwargs`: per-request sampling (temperature,
         top_k, top_p, seed, penalties, logit_bias, min_tokens, top_logprobs, prompt_logprobs, ...:
         `validation.OPTIONS`), with `per_request_processors=True`; `grammar=` a constraint compiled
-        by `cbserve.StructuredOutputs`."""
+        by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
+        `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share"""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -303,6 +306,8 @@ class ContinuousBatchingManager:
                                "destroyed" if self._destroyed else "stopped")
                 raise RuntimeError("the manager is stopped: call start() before adding requests")
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
+            share = validation.scheduling(**{k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS
+                                             if k in sampling_args})
             sampling = self._sampling(sampling_args)
             self._check_queue_room(len(prompts))
             requests: list[Request] = []
@@ -316,6 +321,8 @@ class ContinuousBatchingManager:
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
                     max_new_tokens, streaming, eos_token_id, sampling, grammar,
                 ))
+                for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
+                    setattr(requests[-1], name, value)
                 new_ids.add(request_id)
             # All valid: queue them, prompts sharing prefixes next to each other.
             queued = sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests

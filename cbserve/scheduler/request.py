@@ -71,6 +71,11 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     streaming: bool = False
     return_logprobs: bool = False
+    # Fair share (scheduler/fair_share.py): lower priority values go first (vLLM's); the tenant
+    # and the parent request (one API call's choices) are each given an equal share of the engine.
+    priority: int = 0
+    tenant: str = ""
+    parent_id: str | None = None  # None: the tenant's one FIFO queue (the Python API's order)
     status: RequestStatus = RequestStatus.PENDING
     # prompt + generated: what the model must have in its cache before the next token is sampled.
     tokens: list[int] = field(default_factory=list)

@@ -3,7 +3,13 @@
 The scheduler reasons in token budgets, not phases: each step takes up to `max_batch_tokens`
 query tokens and `max_requests` requests, mixing decode tokens and prefill chunks. Prompts
 larger than the budget are prefilled in chunks over several steps. When the cache runs out,
-the most recently admitted request is preempted (its pages freed, recomputed later).
+the most recently admitted request of the lowest priority and the largest share is preempted
+(its pages freed, recomputed later).
+
+Between tenants and parent requests the engine is shared fairly (`fair_share.py`): waiting
+requests are admitted, and running ones given the step's tokens, least charged tenant and parent
+first, after `priority`; one parent's choices take at most `parent_share` of `max_requests` in
+the running set, so there is always room to admit another request.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 from cbserve.outputs import RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
+from cbserve.scheduler.fair_share import FairShare
 from cbserve.scheduler.host_pages import HostPages, KVTransfer
 from cbserve.scheduler.request import Request
 
@@ -46,6 +53,7 @@ class Scheduler:
         policy: str = "fifo",
         safety_margin: float = 0.15,
         host_pages: HostPages | None = None,
+        parent_share: float = 1.0,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -55,6 +63,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.host_pages = host_pages
+        self.shares = FairShare()
+        # Running choices of one parent request (requests without a parent id are not capped).
+        self.max_running_per_parent = max(1, int(parent_share * max_requests))
         self._transfers: list[KVTransfer] = []
         self.num_preemptions = 0
         self.num_recomputes = 0
@@ -65,17 +76,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        self.shares.join(request)
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished, cancelled or failed) and free its pages."""
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            self.shares.set_running(request, False)
+            self.shares.leave(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            self.shares.leave(request)
         self.block_manager.free(request)
         if request.host_block_ids:
             self.host_pages.release(request)
@@ -87,8 +99,9 @@ class Scheduler:
         if self.host_pages is not None:
             self.host_pages.begin_step()
         batch: list[ScheduledRequest] = []
-        decodes = [r for r in self.running if r.num_pending == 1 and not r.awaits_last_token]
-        prefills = [r for r in self.running if r.num_pending > 1]
+        ranked = sorted(self.running, key=self.shares.rank)  # stable: admission order within a share
+        decodes = [r for r in ranked if r.num_pending == 1 and not r.awaits_last_token]
+        prefills = [r for r in ranked if r.num_pending > 1]
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
         scheduled: set[int] = set()
         for request in order:
@@ -100,6 +113,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num, scheduled):
                 continue
             batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            self.shares.charge(request, num)
             scheduled.add(id(request))
             budget -= num
         self._admit(batch, budget)
@@ -111,7 +125,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num
         while not self.block_manager.allocate(request, target):
-            victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+            victim = self._victim(scheduled)
             if victim is None:  # nothing left to preempt: wait for others to finish
                 return False
             self._preempt(victim)
@@ -119,10 +133,19 @@ class Scheduler:
                 return False
         return True
 
+    def _victim(self, scheduled: set[int]) -> Request | None:
+        """The running request not yet scheduled this step with the largest rank (the lowest
+        priority, then the largest tenant and parent share), the most recently admitted of those."""
+        candidates = [(i, r) for i, r in enumerate(self.running) if id(r) not in scheduled]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda c: (self.shares.rank(c[1]), c[0]))[1]
+
     def _preempt(self, request: Request) -> None:
         """Evict a running request: its pages go to the host pool when it has room, else
         they are dropped and recomputed on readmission."""
         self.running.remove(request)
+        self.shares.set_running(request, False)
         transfer = self.host_pages.offload(request) if self.host_pages is not None else None
         if transfer is not None:
             self._transfers.append(transfer)
@@ -151,23 +174,33 @@ class Scheduler:
         if self.host_pages is not None and self.host_pages.pulled(request):
             self.host_pages.release(request)
 
+    def _may_admit(self, batch: list[ScheduledRequest], budget: int) -> bool:
+        bm = self.block_manager
+        if budget <= 0 or len(batch) >= self.max_requests:
+            return False
+        return not (self.running and bm.num_free < self.safety_margin * bm.num_blocks)
+
+    def _parent_full(self, request: Request) -> bool:
+        """Its parent request already has its most choices running (room left for others)."""
+        return request.parent_id is not None and self.shares.parent(request).running >= self.max_running_per_parent
+
     def _admit(self, batch: list[ScheduledRequest], budget: int) -> None:
+        """Admit waiting requests in fair order (`FairShare.admission_order`) while there is room."""
+        if not self.waiting or not self._may_admit(batch, budget):
+            return
         bm = self.block_manager
         in_flight = {h for r in self.running for h in bm.pages_in_flight(r)}
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(batch) < self.max_requests:
-            if self.running and bm.num_free < self.safety_margin * bm.num_blocks:
+        admitted: set[int] = set()
+        for request in self.shares.admission_order(self.waiting):
+            if not self._may_admit(batch, budget):
                 break
-            request = self.waiting[i]
-            if request.num_inflight:  # preempted with a token still on the device: next step
-                i += 1
+            if request.num_inflight or self._parent_full(request):  # a token still on the device: next step
                 continue
             restored = request.num_offloaded_tokens
             if not restored and not request.wants_prompt_logprobs:  # those recompute cached prompts
                 bm.match_prefix(request)
                 if bm.waits_for_prefix(request, in_flight):  # its prefix is being computed
                     bm.free(request)
-                    i += 1
                     continue
                 restored = self._pull_from_node(request)
             computed = restored or request.num_computed
@@ -178,10 +211,14 @@ class Scheduler:
                 break
             if restored:
                 self._transfers.append(self.host_pages.restore(request))
-            del self.waiting[i]
+            admitted.add(id(request))
             self.prefix_hit_tokens += request.num_computed
             self.running.append(request)
+            self.shares.set_running(request, True)
             request.status = RequestStatus.PREFILLING
             batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            self.shares.charge(request, num)
             in_flight.update(bm.pages_in_flight(request))
             budget -= num
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)

@@ -127,7 +127,7 @@ class EngineCore:
         self.node_pool = node_client.attach(cfg.node_kv_pool, self.model, self.cache, self.host_pool, host_pages,
                                             prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sizes.max_batch_tokens, sizes.max_requests, cfg.scheduler,
-                                   cfg.resolved_safety_margin, host_pages)
+                                   cfg.resolved_safety_margin, host_pages, cfg.parent_share)
 
     def _build_runner(self, sizes) -> None:
         """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
