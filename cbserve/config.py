@@ -77,6 +77,10 @@ class ContinuousBatchingConfig(BaseModel):
     )
     per_request_processors: bool = False
     cpu_group_timeout: float | None = Field(300.0, gt=0.0)
+    step_timeout_s: float | None = Field(
+        600.0, gt=0.0, description="the step watchdog: a step running longer makes check_health() fail (a stuck "
+        "kernel or device; a served replica is then replaced); None: no watchdog. Above a first step's compile time"
+    )
     tp_size: int = Field(1, ge=1)
     tp_launcher: Literal["spawn", "torchrun", "external"] | None = Field(
         None, description="how the tensor-parallel ranks start: spawn (local processes started by the engine), "

@@ -20,6 +20,13 @@ class InvalidRequestError(ValueError):
         self.message = message
 
 
+class RequestFault(InvalidRequestError):
+    """A request that was admitted but cannot go on, through its own arguments (its constraints
+    leave no token to draw, its grammar or logits processors raised): it fails alone, its client
+    told which fields, and the step's other requests continue. The message is ours; the cause,
+    which may hold internals, stays in `__cause__` for the log."""
+
+
 class QueueFullError(queue.Full):
     """A request refused because the manager's waiting queue holds `max_queue_size` requests
     already: an overload, not a bad request (HTTP maps it to its overload answer). A `queue.Full`,

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_ATTRIBUTE = "_cbserve_manager"  # where a persistent manager waits on its model for the next session
 WARMUP_REQUEST_ID = "cbserve-warmup"
+MAX_FAILED_STEPS = 3  # engine faults in a row after which the loop ends (every step failing: a broken engine)
 
 
 def workload_from_hints(hints: Any) -> Workload | None:
@@ -99,6 +100,11 @@ class ContinuousBatchingManager:
         self._pause_holders = threading.local()
         self.warmed_up = False
         self.error: BaseException | None = None
+        # A step that failed through no request's fault (kernel, device, TP group): the engine is
+        # suspect for good, so check_health() fails and Serve replaces a served replica.
+        self.engine_fault: BaseException | None = None
+        self._failed_steps = 0  # in a row; at MAX_FAILED_STEPS the loop ends instead of failing all it is sent
+        self._step_began: float | None = None  # the step watchdog's clock (time.monotonic)
 
     @property
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
@@ -122,7 +128,8 @@ class ContinuousBatchingManager:
                 self._accepting, self._stopping, self._hard_stop = True, False, False
                 self._loop_running = self._started = True
             self._grace_expired = False
-            self.error = None
+            self.error = self.engine_fault = None
+            self._failed_steps = 0
             self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
             self._thread.start()
 
@@ -304,6 +311,9 @@ class ContinuousBatchingManager:
                 given = [rid for _, rid in prompts if rid is not None]
                 logger.warning("add_request refused%s: the manager is %s", f" ({', '.join(given)})" if given else "",
                                "destroyed" if self._destroyed else "stopped")
+                if self._failed_steps >= MAX_FAILED_STEPS:
+                    raise RuntimeError(f"the batching loop stopped: its engine failed {self._failed_steps} steps in a "
+                                       f"row (last: {self.engine_fault!r}); start() it again or replace it")
                 raise RuntimeError("the manager is stopped: call start() before adding requests")
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             share = validation.scheduling(**{k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS
@@ -448,6 +458,12 @@ class ContinuousBatchingManager:
             raise RuntimeError("the manager was destroyed")
         if not self.is_running():
             raise RuntimeError(f"the batching loop is not running ({self.error!r})")
+        if self.engine_fault is not None:
+            raise RuntimeError(f"the engine failed a step: {self.engine_fault!r}")
+        began, limit = self._step_began, self.config.step_timeout_s
+        if began is not None and limit is not None and time.monotonic() - began > limit:
+            raise RuntimeError(f"the engine's step has run for {time.monotonic() - began:.0f} s, "
+                               f"beyond step_timeout_s={limit:g}")
         self.engine.check_health()
 
     def stats(self) -> dict[str, float]:
@@ -489,7 +505,12 @@ class ContinuousBatchingManager:
             inbox, self._inbox, self._inbox_adds = self._inbox, [], 0
         for kind, item in inbox:
             if kind == "add":
-                self.engine.add_request(item)
+                try:
+                    self.engine.add_request(item)
+                except Exception as error:  # this request's admission failed: it alone fails
+                    logger.exception("admitting request %s failed", item.request_id)
+                    self.engine.fail_request(item, error)
+                    self._emit(item)
             else:
                 request = self.engine.cancel_request(item)
                 if request is not None:
@@ -536,15 +557,31 @@ class ContinuousBatchingManager:
             if not self.engine.has_work:
                 with self._cond:
                     return not (stopping and not self._inbox)
+            self._step_began = time.monotonic()
             updated = self.engine.step()
+            self._step_began, self._failed_steps = None, 0
             self._clock.tick(updated)
             for request in updated:
                 self._emit(request)
-        except Exception as error:  # fail what was live; the loop keeps serving
-            logger.exception("batching loop failed; failing every live request")
-            self.error = error
-            self._fail_everything(error)
+        except Exception as error:  # not one request's fault: fail what was live, report unhealthy
+            self._step_began = None
+            self._failed_steps += 1
+            logger.exception("engine step failed (%d in a row); failing every live request", self._failed_steps)
+            return self._engine_failed(error)
         return True
+
+    def _engine_failed(self, error: Exception) -> bool:
+        """A step failed outside any one request: every live request fails and check_health()
+        fails from now on. The loop keeps serving, unless MAX_FAILED_STEPS failed in a row: a
+        broken engine then stops, loudly, rather than failing everything it is sent."""
+        self.error = self.engine_fault = error
+        ending = self._failed_steps >= MAX_FAILED_STEPS
+        if ending:
+            logger.error("the batching loop stops: its engine failed %d steps in a row", self._failed_steps)
+            with self._cond:
+                self._accepting = False
+        self._fail_everything(error)
+        return not ending
 
     def _park(self) -> None:
         """Pause: give the model back, wait until every holder left, take it again."""

@@ -30,7 +30,8 @@ _TYPES = {
 }
 
 # Engine arguments under their OpenAI names; None: set by the server, not by the client.
-_OPENAI_PARAMS: dict[str, str | None] = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "request_id": None, "eos_token_id": None}
+_OPENAI_PARAMS: dict[str, str | None] = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                                         "request_id": None, "eos_token_id": None}
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cbserve.errors import InvalidRequestError, QueueFullError
+from cbserve.errors import InvalidRequestError, QueueFullError, RequestFault
 from cbserve.serving.chat_template import chat_token_ids
 from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbserve.serving.errors import error_event
@@ -170,6 +170,8 @@ def _last_event(out: Any, decoder: _Decoder) -> WorkerEvent:
     """The `end` (or `error`) event of a request's final output."""
     status = getattr(out.status, "value", out.status)
     if status == "failed":
+        if isinstance(out.exception, RequestFault):  # its own arguments: the client is told which
+            return error_event(400, out.exception.message, out.exception.field)
         logger.warning("request %s failed in the engine: %s", out.request_id, out.error)
         return error_event(500, f"generation failed: {out.error or 'engine error'}")
     if status == "cancelled":

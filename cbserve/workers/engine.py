@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.errors import RequestFault
 from cbserve.kernels import backends, packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
@@ -41,6 +42,14 @@ if TYPE_CHECKING:
     from cbserve.workers.parallel.leader import TensorParallelLeader
 
 logger = logging.getLogger(__name__)
+
+
+def _token_refused(request: Request, cause: Exception) -> RequestFault:
+    field = "grammar" if request.grammar is not None else "logits_processors"
+    fault = RequestFault(field, f"the request's {field} refused its token at output position "
+                                f"{len(request.generated) - 1} ({type(cause).__name__})")
+    fault.__cause__ = cause
+    return fault
 
 
 def eos_set(eos: int | list[int] | None) -> frozenset[int]:
@@ -328,7 +337,17 @@ class EngineCore:
         if not requests:
             return []
         result = self.sampler(logits, requests, self.config.return_logprobs)
-        return self._append(requests, result.tokens, result.logprobs, result.top_logprobs)
+        for request, fault in result.faults:
+            self.fail_request(request, fault)
+        updated = self._append(result.requests, result.tokens, result.logprobs, result.top_logprobs)
+        return [request for request, _ in result.faults] + updated
+
+    def fail_request(self, request: Request, error: BaseException) -> None:
+        """One request cannot go on (a fault of its own): it alone fails, its pages freed."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        if self._is_live(request):
+            self._drop(request)
+        request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
 
     def _is_live(self, request: Request) -> bool:
         return self.requests.get(request.request_id) is request
@@ -369,9 +388,14 @@ class EngineCore:
         for i, request in enumerate(requests):
             request.append_token(tokens[i], logprobs[i] if logprobs is not None else None,
                                  tops[i] if tops is not None else None)
-            self.sampler.observe(request, tokens[i])
             self.generated_tokens += 1
-            reason = request.stop_reason()
+            try:
+                self.sampler.observe(request, tokens[i])  # its grammar and penalties take the token
+                reason = request.stop_reason()
+            except Exception as exc:  # the request's own state refused its token: it alone fails
+                logger.exception("request %s: taking token %d raised", request.request_id, tokens[i])
+                self.fail_request(request, _token_refused(request, exc))
+                continue
             if reason is not None:
                 self._drop(request)
                 request.finish(RequestStatus.FINISHED, reason)

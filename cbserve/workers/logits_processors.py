@@ -15,6 +15,7 @@ request has seen, not the vocabulary, and a step makes a few tensor operations w
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,11 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from cbserve.errors import RequestFault
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.workers.structured import GrammarState, apply_masks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +57,22 @@ def _history_processors(params: SamplingParams, eos: frozenset[int]) -> tuple[li
 def _bar(logits: torch.Tensor, row: int, tokens: list[int]) -> None:
     if tokens:
         logits[row, torch.tensor(tokens, device=logits.device)] = float("-inf")
+
+
+def no_token_left(request: Request) -> RequestFault:
+    """The fault of a request whose own constraints together exclude every token, e.g. a grammar
+    that can only end while min_new_tokens still bars EOS."""
+    p = request.sampling
+    fields = [name for name, active in (
+        ("grammar", request.grammar is not None),
+        ("min_new_tokens", len(request.generated) < p.min_new_tokens),
+        ("bad_words_ids", bool(p.bad_words_ids)),
+        ("suppress_tokens", bool(p.suppress_tokens)),
+        ("begin_suppress_tokens", bool(p.begin_suppress_tokens) and not request.generated),
+        ("logit_bias", bool(p.logit_bias)),
+    ) if active] or ["logits_processors"]
+    return RequestFault(fields[0], f"no token can be drawn at output position {len(request.generated)}: "
+                                   f"{' and '.join(fields)} together exclude every token")
 
 
 class LogitsProcessing:
@@ -94,11 +114,38 @@ class LogitsProcessing:
             state.grammar.accept(token)
             request.grammar_done = state.grammar.matcher.is_terminated()
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Processed logits [rows, vocab] (a new tensor when any row is processed)."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, dict[int, RequestFault]]:
+        """Processed logits [rows, vocab] (a new tensor when any row is processed), and the rows
+        that cannot go on: their processing raised, or it left no token to draw. Those faults are
+        their requests' own: the other rows are processed as if they were alone."""
         rows = [i for i, r in enumerate(requests) if r.sampling.processes_logits or r.grammar is not None]
         if not rows:
-            return logits
+            return logits, {}
+        try:
+            processed, faults = self._process(logits, requests, rows), {}
+        except Exception:  # noqa: BLE001 (row by row finds and logs the rows at fault; each alone gives the same values)
+            processed, faults = self._row_by_row(logits, requests, rows)
+        rows = [i for i in rows if i not in faults]
+        if rows:
+            blocked = torch.isneginf(processed[rows].amax(dim=-1)).tolist()
+            faults.update((i, no_token_left(requests[i])) for i, dead in zip(rows, blocked) if dead)
+        return processed, faults
+
+    def _row_by_row(self, logits: torch.Tensor, requests: list[Request],
+                    rows: list[int]) -> tuple[torch.Tensor, dict[int, RequestFault]]:
+        processed, faults = logits.clone(), {}
+        for i in rows:
+            try:
+                processed[i] = self._process(logits[i : i + 1], [requests[i]], [0])[0]
+            except Exception as exc:
+                logger.exception("request %s: its logits processing raised", requests[i].request_id)
+                fault = RequestFault("grammar" if requests[i].grammar is not None else "logits_processors",
+                                     f"the request's logits processing failed ({type(exc).__name__})")
+                fault.__cause__ = exc
+                faults[i] = fault
+        return processed, faults
+
+    def _process(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         logits = logits.clone()
         states = {i: self._state(requests[i], logits.device) for i in rows}
         self._history(logits, requests, [(i, states[i].before) for i in rows])
