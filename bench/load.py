@@ -193,6 +193,7 @@ class Result:
 class Sampling:
     endpoint: str = "chat"  # chat | completions
     temperature: float = 0.0
+    ignore_eos: bool = False  # vLLM's and cbserve's extension: every request runs to its max_tokens
 
 
 def request_body(target: Target, spec: RequestSpec, sampling: Sampling) -> dict[str, Any]:
@@ -203,6 +204,8 @@ def request_body(target: Target, spec: RequestSpec, sampling: Sampling) -> dict[
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True
     if sampling.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:

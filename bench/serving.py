@@ -140,10 +140,10 @@ async def engine_level(manager: Any, eos: Any, prompts: list[list[int]], concurr
 
 
 async def http_level(target: load.Target, prompts: list[list[int]], concurrency: int,
-                     max_tokens: int, timeout: float) -> tuple[list[Record], float]:
+                     max_tokens: int, timeout: float, ignore_eos: bool = False) -> tuple[list[Record], float]:
     import aiohttp
 
-    sampling = load.Sampling(endpoint="completions", temperature=0.0)
+    sampling = load.Sampling(endpoint="completions", temperature=0.0, ignore_eos=ignore_eos)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
 
@@ -181,13 +181,20 @@ def start_server(stack: contextlib.ExitStack, config: dict[str, Any], log: Path,
                             stderr=subprocess.STDOUT, process_group=0, env={**os.environ, **(env or {})})
     stack.callback(stop_server, proc)
     base = f"http://127.0.0.1:{port}"
+    wait_until_ready(proc, base, timeout, log)
+    return base, proc.pid
+
+
+def wait_until_ready(proc: subprocess.Popen, base: str, timeout: float, log: Path) -> None:
+    """Until `base`/v1/models answers 200 (any OpenAI server: cbserve's, vLLM's); raises with the
+    log's tail when the process exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}; log tail:\n{load._tail(log)}")
         with contextlib.suppress(OSError), urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
             if r.status == 200:
-                return base, proc.pid
+                return
         time.sleep(1.0)
     raise RuntimeError(f"the server did not answer within {timeout:g} s; log tail:\n{load._tail(log)}")
 

@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import platform
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -30,17 +29,13 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Workload, make_workload, mismatches  # shared with bench/peers.py
 
 ENGINES = ("cbserve", "hf_cb", "hf_static")
 STATIC_BATCH = 32
 ROOFLINE_TOKENS = 128
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    lengths: list[int]
 
 
 @dataclass
@@ -77,18 +72,7 @@ def random_model(shape: str, device: str, dtype: torch.dtype):
 # -- workloads ---------------------------------------------------------------------------------
 
 
-def make_workload(name: str, allowed_ids: list[int], requests: int | None, seed: int) -> Workload:
-    rng = random.Random(f"{name}-{seed}")
-    if name == "mixed":
-        n = requests or 64
-        shapes = [(rng.randint(16, 256), rng.randint(8, 128)) for _ in range(n)]
-    elif name == "decode":
-        n = requests or 128
-        shapes = [(16, 128)] * n
-    else:
-        raise ValueError(f"unknown workload {name!r}")
-    prompts = [[rng.choice(allowed_ids) for _ in range(p)] for p, _ in shapes]
-    return Workload(name, prompts, [o for _, o in shapes])
+# make_workload (mixed, decode) lives in bench/common.py.
 
 
 def greedy_config(max_new_tokens: int, pad_token_id: int | None) -> GenerationConfig:
@@ -210,16 +194,6 @@ def timed_run(engine: str, model, work: Workload, pad_id: int | None, page_size:
 
 
 # -- checks and roofline -----------------------------------------------------------------------
-
-
-def mismatches(a: list[list[int]], b: list[list[int]]) -> list[tuple[int, int]]:
-    """(request index, first differing position) for every request whose tokens differ."""
-    found = []
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x != y:
-            pos = next((j for j, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-            found.append((i, pos))
-    return found
 
 
 def alone_reference(model, work: Workload, count: int, pad_id: int | None) -> list[list[int]]:
