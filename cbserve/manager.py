@@ -290,7 +290,8 @@ class ContinuousBatchingManager:
         top_k, top_p, seed, penalties, logit_bias, min_tokens, top_logprobs, prompt_logprobs, ...:
         `validation.OPTIONS`), with `per_request_processors=True`; `grammar=` a constraint compiled
         by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
-        `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share"""
+        `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;
+        `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -316,6 +317,7 @@ class ContinuousBatchingManager:
                                        f"row (last: {self.engine_fault!r}); start() it again or replace it")
                 raise RuntimeError("the manager is stopped: call start() before adding requests")
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
+            cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             share = validation.scheduling(**{k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS
                                              if k in sampling_args})
             sampling = self._sampling(sampling_args)
@@ -333,6 +335,7 @@ class ContinuousBatchingManager:
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)
+                requests[-1].cache_salt = cache_salt
                 new_ids.add(request_id)
             # All valid: queue them, prompts sharing prefixes next to each other.
             queued = sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests

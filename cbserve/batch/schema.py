@@ -62,6 +62,7 @@ class BatchLine(StructuredFields):
     logprobs: bool = Field(False, description="each output token's log-probability in the record")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's, and k top")
+    cache_salt: str | None = Field(None, description="vLLM's: prefix pages shared only among lines of one salt")
     metadata: dict[str, Any] | None = Field(None, description="copied to the output line as is")
 
     @field_validator("id", mode="before")

@@ -2,12 +2,17 @@
 
 A "block" here is one page index; the same index addresses that page in every layer's cache.
 A full page is identified by a hash chaining its parent's hash with its tokens; a hit also
-compares the tokens. Pages of finished requests keep their hash and stay reusable until their
-memory is needed again (least recently freed are reused first).
+compares the tokens and the parent. Pages of finished requests keep their hash and stay reusable
+until their memory is needed again (least recently freed are reused first).
+
+A request's `cache_salt` (vLLM's) is the parent of its first page (a stable digest of it; no
+salt: NO_HASH), so the whole chain differs per salt: its prefix pages are never shared with a
+request of another salt or of none, even for the same tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,10 +28,20 @@ class Block:
     ref_count: int = 0
     hash: int = NO_HASH
     token_ids: tuple[int, ...] = ()
+    parent: int = NO_HASH  # the hash this page's hash chains from (the salt root for a first page)
 
 
 def page_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The parent hash of a request's first page: NO_HASH without a salt, else a digest of it
+    (blake2b: stable across processes, and not steerable onto another salt's root)."""
+    if cache_salt is None:
+        return NO_HASH
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"cbserve-salt").digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class BlockManager:
@@ -55,7 +70,7 @@ class BlockManager:
         if block.hash != NO_HASH:  # its cached content is about to be overwritten
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
-            block.hash, block.token_ids = NO_HASH, ()
+            block.hash, block.token_ids, block.parent = NO_HASH, (), NO_HASH
         block.ref_count = 1
         return block
 
@@ -67,7 +82,7 @@ class BlockManager:
     def prompt_hashes(self, request: Request) -> list[int]:
         """The hash chain of the request's full prompt pages, computed once."""
         if request.prompt_page_hashes is None:
-            chain, parent, ps = [], NO_HASH, self.page_size
+            chain, parent, ps = [], salt_root(request.cache_salt), self.page_size
             for i in range(len(request.prompt_ids) // ps):
                 parent = page_hash(parent, tuple(request.prompt_ids[i * ps : (i + 1) * ps]))
                 chain.append(parent)
@@ -95,13 +110,13 @@ class BlockManager:
         """Attach cached full pages of the request's tokens; the last token is always computed."""
         if not self.enable_prefix_caching or request.block_ids:
             return
-        parent = NO_HASH
+        parent = salt_root(request.cache_salt)
         max_pages = (request.num_tokens - 1) // self.page_size
         for i in range(max_pages):
             tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])
             h = page_hash(parent, tokens)
             block_id = self._hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None or self.blocks[block_id].token_ids != tokens or self.blocks[block_id].parent != parent:
                 break
             self._share(self.blocks[block_id])
             request.block_ids.append(block_id)
@@ -158,11 +173,11 @@ class BlockManager:
         i = request.num_hashed_blocks
         if i >= num_full:
             return
-        parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else NO_HASH
+        parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else salt_root(request.cache_salt)
         for i in range(request.num_hashed_blocks, num_full):
             block = self.blocks[request.block_ids[i]]
             tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])
-            parent = page_hash(parent, tokens)
+            block.parent, parent = parent, page_hash(parent, tokens)
             block.hash, block.token_ids = parent, tokens
             self._hash_to_block.setdefault(parent, block.block_id)
         request.num_hashed_blocks = num_full

@@ -24,20 +24,24 @@ from cbserve.scheduler.request import Request
 class KVTransfer:
     """Copy pages between the device cache and the host pool: `offload` device -> host,
     `restore` host -> device, page i of one side to page i of the other; `export` device -> the
-    node pool, the device pages holding `tokens` (whole pages, from the request's first)."""
+    node pool, the device pages holding `tokens` (whole pages, from the request's first) of a
+    request with `cache_salt`."""
 
     kind: Literal["offload", "restore", "export"]
     device_blocks: tuple[int, ...]
     host_blocks: tuple[int, ...]
     tokens: tuple[int, ...] = ()
+    cache_salt: str | None = None
 
 
 class NodePages(Protocol):
     """The engine's side of the node pool, as the scheduler sees it."""
 
-    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int]) -> int:
+    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int],
+             cache_salt: str | None = None) -> int:
         """Copy the node pool's pages `first_page`, `first_page + 1`, ... of `tokens` (as many
-        as it holds, up to `num_pages`, verified) into `host_blocks`; returns how many."""
+        as it holds, up to `num_pages`, verified, of requests with this `cache_salt`) into
+        `host_blocks`; returns how many."""
         ...
 
 
@@ -104,7 +108,7 @@ class HostPages:
         if self.node is None or wanted <= 0:
             return 0
         host_ids = self._free[len(self._free) - wanted :]
-        got = self.node.pull(request.tokens, first, wanted, host_ids)
+        got = self.node.pull(request.tokens, first, wanted, host_ids, request.cache_salt)
         if got == 0:
             return 0
         del self._free[len(self._free) - wanted : len(self._free) - wanted + got]
@@ -121,4 +125,4 @@ class HostPages:
             return None
         self.num_exports += 1
         return KVTransfer("export", tuple(request.block_ids[:pages]), (),
-                          tuple(request.tokens[: pages * self.page_size]))
+                          tuple(request.tokens[: pages * self.page_size]), request.cache_salt)

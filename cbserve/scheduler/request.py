@@ -98,6 +98,9 @@ class Request:
     num_hashed_blocks: int = 0
     # Hash chain of the full prompt pages (prefix caching), computed once.
     prompt_page_hashes: list[int] | None = None
+    # vLLM's cache_salt: mixed into the hash of the first page, so this request's prefix pages are
+    # shared only with requests of the same salt (none: only with requests without one).
+    cache_salt: str | None = None
     # Leading pages given back because they left every layer's sliding window.
     num_released_blocks: int = 0
     # Host pool pages holding this request's KV while it is evicted (CPU offload).

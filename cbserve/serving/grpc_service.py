@@ -25,7 +25,7 @@ _STATUS = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_OPTIONS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+_OPTIONS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt")
 _SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "logit_bias", "ignore_eos",
              "stop_token_ids", "top_logprobs", "prompt_logprobs", *_OPTIONS}
 

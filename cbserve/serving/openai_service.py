@@ -139,6 +139,7 @@ class OpenAIService:
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias),
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids,
+            cache_salt=req.cache_salt,
         )
 
     def _worker_request(self, req: SamplingFields, rid: str, choice: int, max_tokens: int | None,

@@ -30,6 +30,7 @@ class SamplingOptions(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # vLLM's: prefix pages shared only among requests of one salt
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

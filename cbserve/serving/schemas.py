@@ -129,6 +129,8 @@ class SamplingFields(StructuredFields):
     ignore_eos: bool = Field(False, strict=True)
     skip_special_tokens: bool = Field(True, strict=True)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    cache_salt: str | None = Field(None, strict=True, description="vLLM's: the prompt's prefix pages are shared "
+                                   "only with requests of the same salt (length checked by the engine)")
 
     @field_validator("stream_options")
     @classmethod

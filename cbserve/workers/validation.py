@@ -19,6 +19,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Below this a temperature is greedy: dividing float32 logits by it overflows to inf/NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+# A cache_salt is hashed once per request; the bound keeps a salt from being a payload of its own.
+MAX_CACHE_SALT_CHARS = 1024
 # A request's share of the engine (scheduler/fair_share.py): add_request's keywords.
 SCHEDULING_FIELDS = ("priority", "tenant", "parent_id")
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # vLLM's range (int64)
@@ -65,6 +67,18 @@ def scheduling(priority: Any = None, tenant: Any = None, parent_id: Any = None) 
                                       f"got {value!r:.80}")
         fields[name] = value
     return fields
+
+
+def cache_salt(value: Any) -> str | None:
+    """vLLM's `cache_salt`: None, or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        got = f"a string of {len(value)} characters" if isinstance(value, str) else type(value).__name__
+        raise InvalidRequestError(
+            "cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+            f"got {got}")
+    return value
 
 
 def max_new_tokens(value: Any) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%cbserve/serving/protos/generate.proto\x12\x10\x63\x62serve.generate\"\xad\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0c \x03(\x0b\x32/.cbserve.generate.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\xba\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x36\n\x06\x63hoice\x18\x04 \x01(\x0b\x32$.cbserve.generate.Constraint.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.cbserve.generate.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cbserve.generate.SamplingParams\x12\x30\n\nconstraint\x18\x05 \x01(\x0b\x32\x1c.cbserve.generate.ConstraintB\x07\n\x05input\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\xa9\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x33\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1d.cbserve.generate.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12:\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x1d.cbserve.generate.TopLogprobs2f\n\x0fGenerateService\x12S\n\x08Generate\x12!.cbserve.generate.GenerateRequest\x1a\".cbserve.generate.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%cbserve/serving/protos/generate.proto\x12\x10\x63\x62serve.generate\"\xd5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x0c \x03(\x0b\x32/.cbserve.generate.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x17\n\ncache_salt\x18\x12 \x01(\tH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\r\n\x0b_cache_salt\"\xba\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x36\n\x06\x63hoice\x18\x04 \x01(\x0b\x32$.cbserve.generate.Constraint.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1a.cbserve.generate.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cbserve.generate.SamplingParams\x12\x30\n\nconstraint\x18\x05 \x01(\x0b\x32\x1c.cbserve.generate.ConstraintB\x07\n\x05input\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t\"\xa9\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12\x33\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x1d.cbserve.generate.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12:\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x1d.cbserve.generate.TopLogprobs2f\n\x0fGenerateService\x12S\n\x08Generate\x12!.cbserve.generate.GenerateRequest\x1a\".cbserve.generate.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=60
-  _globals['_SAMPLINGPARAMS']._serialized_end=745
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=526
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=574
-  _globals['_CONSTRAINT']._serialized_start=748
-  _globals['_CONSTRAINT']._serialized_end=934
-  _globals['_CONSTRAINT_CHOICES']._serialized_start=900
-  _globals['_CONSTRAINT_CHOICES']._serialized_end=926
-  _globals['_TOKENIDS']._serialized_start=936
-  _globals['_TOKENIDS']._serialized_end=959
-  _globals['_GENERATEREQUEST']._serialized_start=962
-  _globals['_GENERATEREQUEST']._serialized_end=1172
-  _globals['_TOPLOGPROBS']._serialized_start=1174
-  _globals['_TOPLOGPROBS']._serialized_end=1240
-  _globals['_GENERATERESPONSE']._serialized_start=1243
-  _globals['_GENERATERESPONSE']._serialized_end=1540
-  _globals['_GENERATESERVICE']._serialized_start=1542
-  _globals['_GENERATESERVICE']._serialized_end=1644
+  _globals['_SAMPLINGPARAMS']._serialized_end=785
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=551
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=599
+  _globals['_CONSTRAINT']._serialized_start=788
+  _globals['_CONSTRAINT']._serialized_end=974
+  _globals['_CONSTRAINT_CHOICES']._serialized_start=940
+  _globals['_CONSTRAINT_CHOICES']._serialized_end=966
+  _globals['_TOKENIDS']._serialized_start=976
+  _globals['_TOKENIDS']._serialized_end=999
+  _globals['_GENERATEREQUEST']._serialized_start=1002
+  _globals['_GENERATEREQUEST']._serialized_end=1212
+  _globals['_TOPLOGPROBS']._serialized_start=1214
+  _globals['_TOPLOGPROBS']._serialized_end=1280
+  _globals['_GENERATERESPONSE']._serialized_start=1283
+  _globals['_GENERATERESPONSE']._serialized_end=1580
+  _globals['_GENERATESERVICE']._serialized_start=1582
+  _globals['_GENERATESERVICE']._serialized_end=1684
 # @@protoc_insertion_point(module_scope)

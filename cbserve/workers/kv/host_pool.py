@@ -151,4 +151,5 @@ class HostKVPool:
             elif transfer.kind == "restore":
                 self.restore(list(transfer.device_blocks), list(transfer.host_blocks))
             else:  # export: a preempted request's pages, to the node pool
-                self.node.publish(list(transfer.tokens), list(transfer.device_blocks), 0, len(transfer.device_blocks))
+                self.node.publish(list(transfer.tokens), list(transfer.device_blocks), 0, len(transfer.device_blocks),
+                                  transfer.cache_salt)

@@ -6,7 +6,8 @@ request preempted without room in the host pool (`export` transfers).
 
 Keys chain from a salt that fingerprints the model (its text config, dtype and a few weights)
 and the page geometry, so engines of different models never share pages even if their pages
-have the same size.
+have the same size; a request's `cache_salt` is mixed into that root (`chain_root`), so its
+pages are shared only with requests of the same salt, as in the engine's own prefix cache.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def model_fingerprint(model: torch.nn.Module, cache: PagedKVCache) -> int:
     return to_signed(int.from_bytes(h.digest(), "little"))
 
 
+def chain_root(fingerprint: int, cache_salt: str | None) -> int:
+    """The parent key of a request's first page: the model's fingerprint, salted by the request's
+    `cache_salt` when it has one."""
+    if cache_salt is None:
+        return fingerprint
+    h = hashlib.blake2b(fingerprint.to_bytes(8, "little", signed=True), digest_size=8, person=b"cbserve-salt")
+    h.update(cache_salt.encode())
+    return to_signed(int.from_bytes(h.digest(), "little"))
+
+
 class NodePoolClient:
     def __init__(self, pool: NodeKVPool, cache: PagedKVCache, host_pool: HostKVPool, salt: int) -> None:
         self.pool, self.cache, self.host_pool, self.salt = pool, cache, host_pool, salt
@@ -53,17 +64,20 @@ class NodePoolClient:
             self.usable = False
         return self.usable
 
-    def _parent(self, keys: list[int], page: int) -> int:
-        return keys[page - 1] if page else self.salt
+    @staticmethod
+    def _parent(keys: list[int], page: int, root: int) -> int:
+        return keys[page - 1] if page else root
 
-    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int]) -> int:
+    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int],
+             cache_salt: str | None = None) -> int:
         if not self._live():
             return 0
-        keys = chain_keys(tokens, self.page_size, first_page + num_pages, self.salt)
+        root = chain_root(self.salt, cache_salt)
+        keys = chain_keys(tokens, self.page_size, first_page + num_pages, root)
         ps, got = self.page_size, 0
         for i in range(num_pages):
             page = first_page + i
-            data = self.pool.fetch(keys[page], self._parent(keys, page), tokens[page * ps : (page + 1) * ps])
+            data = self.pool.fetch(keys[page], self._parent(keys, page, root), tokens[page * ps : (page + 1) * ps])
             if data is None:  # absent, being rewritten, or failing its checks: a miss
                 break
             self.host_pool.write_page(host_blocks[i], data)
@@ -78,22 +92,25 @@ class NodePoolClient:
             done = min(request.num_computed, len(request.prompt_ids)) // self.page_size
             start = self._published.get(request, 0)
             if done > start:
-                self.publish(request.tokens, request.block_ids, start, done)
+                self.publish(request.tokens, request.block_ids, start, done, request.cache_salt)
                 self._published[request] = done
 
-    def publish(self, tokens: list[int], block_ids: list[int], start: int, stop: int) -> None:
-        """Pages [start, stop) of `tokens`, held by device pages `block_ids[start:stop]`, to the
-        pool (those it holds already are skipped)."""
+    def publish(self, tokens: list[int], block_ids: list[int], start: int, stop: int,
+                cache_salt: str | None = None) -> None:
+        """Pages [start, stop) of `tokens` (of a request with `cache_salt`), held by device pages
+        `block_ids[start:stop]`, to the pool (those it holds already are skipped)."""
         if not self._live():
             return
-        keys = chain_keys(tokens, self.page_size, stop, self.salt)
-        todo = [i for i in range(start, stop) if not self.pool.holds(keys[i], self._parent(keys, i))]
+        root = chain_root(self.salt, cache_salt)
+        keys = chain_keys(tokens, self.page_size, stop, root)
+        todo = [i for i in range(start, stop) if not self.pool.holds(keys[i], self._parent(keys, i, root))]
         if not todo:
             return
         pages = self._device_pages([block_ids[i] for i in todo])
         ps = self.page_size
         for page, i in zip(pages, todo):
-            self.num_published += self.pool.store(keys[i], self._parent(keys, i), tokens[i * ps : (i + 1) * ps], page)
+            self.num_published += self.pool.store(keys[i], self._parent(keys, i, root), tokens[i * ps : (i + 1) * ps],
+                                                  page)
 
     def _device_pages(self, blocks: list[int]) -> torch.Tensor:
         """[n, page_bytes] uint8 on the host: K and V of every layer for each device page (a
