@@ -684,7 +684,7 @@ def test_the_batch_submitter_pod_is_ours(helm: Any) -> None:
 
 # A NetworkPolicy peer: (namespace, its labels, pod labels); None for a client outside the cluster.
 Peer = tuple[str, dict[str, str], dict[str, str]] | None
-NAMESPACE_LABELS = {ns: {"kubernetes.io/metadata.name": ns} for ns in ("serving", "default", "elsewhere")}
+NAMESPACE_LABELS = {ns: {"kubernetes.io/metadata.name": ns} for ns in ("serving", "kuberay-system", "elsewhere")}
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -742,7 +742,7 @@ def test_network_policy_admits_only_the_serve_ports_from_outside(helm: Any) -> N
     assert policies and all(p["apiVersion"] == "networking.k8s.io/v1" and p["kind"] == "NetworkPolicy"
                             for p in policies)
     pods = _ray_pods(docs)
-    operator = ("default", NAMESPACE_LABELS["default"], {"app.kubernetes.io/name": "kuberay-operator"})
+    operator = ("kuberay-system", NAMESPACE_LABELS["kuberay-system"], {"app.kubernetes.io/name": "kuberay-operator"})
     strangers: list[Peer] = [
         None,  # a client outside the cluster
         ("serving", NAMESPACE_LABELS["serving"], {"app": "other"}),  # any pod of the release's namespace
@@ -784,18 +784,19 @@ def test_network_policy_knobs(helm: Any) -> None:
     ingress_nginx = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
     prometheus = {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
                   "ports": [{"port": 8080, "protocol": "TCP"}]}
-    values = {"networkPolicy": {"kuberayOperator": {"namespace": "kuberay-system"}, "serveFrom": [ingress_nginx],
+    values = {"networkPolicy": {"kuberayOperator": {"namespace": "ray-ops"}, "serveFrom": [ingress_nginx],
                                 "extraIngress": [prometheus]}, "head": {"rayStartParams": {"dashboard-port": 8266}}}
     docs = render(helm, values)
     policies, pods = docs["networkpolicy.yaml"], _ray_pods(docs)
     nginx = ("ingress-nginx", {"kubernetes.io/metadata.name": "ingress-nginx"}, {})
     monitoring = ("monitoring", {"kubernetes.io/metadata.name": "monitoring"}, {})
-    operator = ("kuberay-system", {"kubernetes.io/metadata.name": "kuberay-system"},
-                {"app.kubernetes.io/name": "kuberay-operator"})
+    operator = ("ray-ops", {"kubernetes.io/metadata.name": "ray-ops"}, {"app.kubernetes.io/name": "kuberay-operator"})
     for target in (pods["serving/head"], pods["serving/gpu-workers"]):
         assert admitted(policies, target, 8000, nginx) and not admitted(policies, target, 8000, None)
         assert admitted(policies, target, 8080, monitoring) and not admitted(policies, target, 8265, monitoring)
     assert admitted(policies, pods["serving/head"], 8266, operator)
+    moved = ("kuberay-system", NAMESPACE_LABELS["kuberay-system"], operator[2])  # the default namespace: not now
+    assert not admitted(policies, pods["serving/head"], 8266, moved)
     assert not admitted(policies, pods["serving/head"], 8265, operator)
     assert render(helm, {"networkPolicy": {"enabled": False}})["networkpolicy.yaml"] == []
 
