@@ -76,6 +76,25 @@ class ContinuousBatchingConfig(BaseModel):
         "add_request refuses with QueueFullError; 0: unbounded"
     )
     per_request_processors: bool = False
+    # Structured outputs (workers/structured.py): bounds on compiling a request's grammar.
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0.0, description="the longest a request's constraint (JSON schema, regex, grammar) may compile, and "
+        "the longest it may wait for a free compile thread: beyond the first it is refused naming its field (the "
+        "compile is left to finish, off the others' threads), beyond the second it is an overload"
+    )
+    grammar_compile_threads: int = Field(
+        2, ge=1, description="constraints compiled at once (identical ones share one compile); a compile past its "
+        "timeout frees its thread, up to as many such again"
+    )
+    grammar_cache_limit_bytes: int = Field(
+        256 << 20, ge=0, description="memory of compiled grammars kept for reuse (xgrammar's cache_limit_bytes, least "
+        "recently used evicted); 0: none kept"
+    )
+    grammar_max_nesting: int = Field(
+        64, ge=1, description="deepest nesting of a constraint's source: JSON schema objects and arrays, regex "
+        "groups, EBNF parentheses; deeper ones are refused before compiling (a JSON schema nested 200 deep takes "
+        "seconds to convert)"
+    )
     cpu_group_timeout: float | None = Field(300.0, gt=0.0)
     step_timeout_s: float | None = Field(
         600.0, gt=0.0, description="the step watchdog: a step running longer makes check_health() fail (a stuck "

@@ -8,7 +8,8 @@ A `tool_choice` of `required` or a named function is a constraint too (a JSON sc
 the functions' parameters), so the call always parses and its arguments validate.
 
 The replica compiles a constraint with `cbserve.StructuredOutputs` (xgrammar; built once per
-replica, on first use), in a worker thread so the event loop keeps streaming other requests.
+replica, on first use), on its bounded compile threads, so the event loop keeps streaming other
+requests and one slow compile holds up no other (`workers/structured.CompilePool`).
 """
 
 from __future__ import annotations
@@ -108,13 +109,16 @@ def tool_constraint(req: ChatCompletionRequest, mode: str) -> Constraint | None:
 
 
 class Grammars:
-    """One replica's compiler of constraints, for its tokenizer and model: built on first use."""
+    """One replica's compiler of constraints, for its tokenizer and model: built on first use;
+    `config`: the engine's, whose `grammar_*` fields bound each compile (the defaults when None)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | list[int] | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | list[int] | None,
+                 config: Any = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         self._stop_ids = eos or None
+        self._config = config
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -123,13 +127,16 @@ class Grammars:
             if self._compiler is None:
                 from cbserve.workers.structured import StructuredOutputs
 
-                self._compiler = StructuredOutputs(self._tokenizer, self._vocab_size, self._stop_ids)
+                self._compiler = StructuredOutputs(self._tokenizer, self._vocab_size, self._stop_ids, self._config)
             return self._compiler
 
     def compile_now(self, constraint: Constraint) -> Any:
-        """The compiled grammar; raises InvalidRequestError naming the constraint's field."""
+        """The compiled grammar; raises InvalidRequestError naming the constraint's field, or
+        QueueFullError (an overload) when no compile thread comes free in time."""
         return self._structured().compile(constraint.kind, constraint.spec, constraint.field)
 
     async def compile_in_thread(self, constraint: Constraint) -> Any:
-        """`compile_now` in a worker thread (a large schema takes tens of milliseconds)."""
-        return await asyncio.to_thread(self.compile_now, constraint)
+        """`compile_now` off the event loop (a large schema takes tens of milliseconds): the
+        compile runs on the compiler's own bounded threads, awaited without holding one here."""
+        structured = self._compiler or await asyncio.to_thread(self._structured)
+        return await structured.compile_async(constraint.kind, constraint.spec, constraint.field)

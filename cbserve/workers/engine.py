@@ -218,11 +218,13 @@ class EngineCore:
         sampling = sampling or self._default_sampling
         if gc.min_length and gc.min_length - len(prompt) > sampling.min_new_tokens:  # min_length counts the prompt
             sampling = dataclasses.replace(sampling, min_new_tokens=gc.min_length - len(prompt))
+        eos_ids = eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id)
+        validation.constraint_fits(grammar, sampling.min_new_tokens, eos_ids | set(sampling.stop_token_ids))
         return Request(
             request_id=request_id,
             prompt_ids=prompt,
             max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id),
+            eos_token_ids=eos_ids,
             sampling=sampling,
             streaming=streaming,
             return_logprobs=self.config.return_logprobs,

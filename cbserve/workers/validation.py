@@ -108,6 +108,22 @@ def fits(prompt_len: int, new_tokens: int, max_context: int, capacity_tokens: in
                 f"{what} {limit} tokens{suffix}")
 
 
+def constraint_fits(grammar: Any, min_new_tokens: int, barred: Collection[int]) -> None:
+    """A constraint (`structured.Grammar`) and min_new_tokens that cannot both hold are refused:
+    every token a grammar allows but its stop tokens covers at least one byte (xgrammar never
+    allows one that decodes to nothing), so an output of at most B bytes can only end by B tokens;
+    when min_new_tokens > B bars the grammar's every stop token (`barred`: the tokens barred
+    before it), no token is left to draw. Refused only when B is certain."""
+    if grammar is None or min_new_tokens <= 0 or not set(grammar.stop_token_ids) <= set(barred):
+        return
+    most = grammar.max_output_bytes
+    if most is not None and most < min_new_tokens:
+        raise InvalidRequestError(
+            "min_tokens", f"min_tokens ({min_new_tokens}) and {grammar.field} cannot both hold: every output "
+            f"{grammar.field} allows is at most {most} bytes, so it ends within {most} tokens; give min_tokens "
+            f"<= {most} or a longer constraint")
+
+
 def _number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
     ok = _is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
     if not ok:
