@@ -122,3 +122,66 @@ def test_through_the_manager() -> None:
                                   grammar=structured.compile("choice", ["left", "right"]))
         out = manager.get_result(rid, timeout=60)
     assert tokenizer().decode(out.generated_tokens, skip_special_tokens=True) in ("left", "right")
+
+
+# ---- the serving path (issue 26): refusals reach the client as a 400 naming the field ----------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """The OpenAI service on a manager in this process (the replica's request path), tiny model."""
+    import asyncio
+
+    from conftest_cluster import running_manager, tiny_model_dir
+
+    from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.constraints import Grammars
+    from cbserve.serving.errors import refusal
+    from cbserve.serving.generation import ModelInfo, run_request
+    from cbserve.serving.openai_service import OpenAIService
+    from cbserve.serving.replies import ChoiceStream
+
+    folder = tiny_model_dir(tmp_path_factory)
+    model, tok = cbserve.load_model(str(folder), dtype="float32")
+    eos = model.config.eos_token_id
+    config = cbserve.ContinuousBatchingConfig(grammar_max_nesting=16)
+    info = ModelInfo(eos_token_id=eos, max_context=512, default_max_tokens=16,
+                     grammars=Grammars(tok, model.config.vocab_size, eos, config))
+
+    with running_manager(model) as manager:
+        async def open_choice(wreq):
+            gen = run_request(manager, tok, info, wreq, "local")
+            first = await gen.__anext__()
+            if first.kind == "error":
+                raise refusal(first)
+            return ChoiceStream(start=first, events=gen, cancel=lambda: asyncio.ensure_future(gen.aclose()))
+
+        args = ClusterArgs(model=str(folder), served_model_name="tiny", limits={"max_tokens": 64, "max_n": 2})
+        yield OpenAIService(args, open_choice)
+
+
+def served_completion(service, **body):
+    import asyncio
+
+    from cbserve.serving.json_body import parse_request
+    from cbserve.serving.schemas import CompletionRequest
+
+    req = parse_request(json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 12, **body}).encode(),
+                        CompletionRequest)
+    return asyncio.run(service.complete(req))
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"guided_choice": ["yes"], "min_tokens": 8}, "min_tokens", "min_tokens (8) and guided_choice cannot both hold"),
+    ({"guided_regex": "(yes|no)", "min_tokens": 4}, "min_tokens", "min_tokens (4) and guided_regex cannot both hold"),
+    ({"guided_json": json.loads('{"type": "array", "items": ' * 20 + "{}" + "}" * 20)}, "guided_json",
+     "21 levels deep; at most 16 (grammar_max_nesting)"),
+])
+def test_a_refused_constraint_is_a_400_naming_its_field_on_the_serving_path(served, body, param, text) -> None:
+    from cbserve.serving.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        served_completion(served, **body)
+    assert err.value.status == 400 and err.value.param == param and text in err.value.message
+    feasible = served_completion(served, guided_choice=["yes", "abcdefgh"], min_tokens=3).body.model_dump()
+    assert feasible["choices"][0]["text"] in ("yes", "abcdefgh")
