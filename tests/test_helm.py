@@ -722,6 +722,23 @@ def admitted(policies: list[dict[str, Any]], target: dict[str, str], port: int, 
     return False
 
 
+def check_network_policy_schema(policy: dict[str, Any]) -> None:
+    """Its ingress rules against Kubernetes' NetworkPolicyIngressRule schema (which KubeRay's CRD
+    embeds for its own network policies), its pod selector against LabelSelector's."""
+    import jsonschema
+
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    assert DNS_1123.match(policy["metadata"]["name"]), policy["metadata"]["name"]
+    cluster = crd_schemas()["RayService"]["properties"]["spec"]["properties"]["rayClusterConfig"]["properties"]
+    rule = cluster["networkPolicy"]["properties"]["head"]["properties"]["ingressRules"]["items"]
+    selector = rule["properties"]["from"]["items"]["properties"]["podSelector"]
+    spec = policy["spec"]
+    assert set(spec) <= {"podSelector", "policyTypes", "ingress"}, spec
+    for doc, schema in [(spec["podSelector"], selector), *((r, rule) for r in spec.get("ingress", []))]:
+        jsonschema.Draft7Validator(schema).validate(doc)
+        assert not unknown_fields(doc, schema), unknown_fields(doc, schema)
+
+
 def _ray_pods(docs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, str]]:
     """Each pod's labels as KubeRay creates it (it adds ray.io/node-type)."""
     out = {}
@@ -739,8 +756,9 @@ RAY_PORTS = (8265, 6379, 10001, 8080, 52365, 10002)
 def test_network_policy_admits_only_the_serve_ports_from_outside(helm: Any) -> None:
     docs = render(helm, BATCH_VALUES)
     policies = docs["networkpolicy.yaml"]
-    assert policies and all(p["apiVersion"] == "networking.k8s.io/v1" and p["kind"] == "NetworkPolicy"
-                            for p in policies)
+    assert len(policies) == 5  # per cluster: its pods, its head's dashboard; the submitter
+    for policy in policies:
+        check_network_policy_schema(policy)
     pods = _ray_pods(docs)
     operator = ("kuberay-system", NAMESPACE_LABELS["kuberay-system"], {"app.kubernetes.io/name": "kuberay-operator"})
     strangers: list[Peer] = [
@@ -788,6 +806,8 @@ def test_network_policy_knobs(helm: Any) -> None:
                                 "extraIngress": [prometheus]}, "head": {"rayStartParams": {"dashboard-port": 8266}}}
     docs = render(helm, values)
     policies, pods = docs["networkpolicy.yaml"], _ray_pods(docs)
+    for policy in policies:
+        check_network_policy_schema(policy)
     nginx = ("ingress-nginx", {"kubernetes.io/metadata.name": "ingress-nginx"}, {})
     monitoring = ("monitoring", {"kubernetes.io/metadata.name": "monitoring"}, {})
     operator = ("ray-ops", {"kubernetes.io/metadata.name": "ray-ops"}, {"app.kubernetes.io/name": "kuberay-operator"})
