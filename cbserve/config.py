@@ -57,6 +57,11 @@ class ContinuousBatchingConfig(BaseModel):
         "call's n x prompts, requests sharing a parent_id) may hold in the running set, so that others are "
         "always admitted (scheduler/fair_share.py); 1.0: no cap"
     )
+    priority_scheduling: bool = Field(
+        False, description="honour requests' priority (vLLM's: lower runs first, before any fair share); False: a "
+        "priority other than 0 is refused, as vLLM does without --scheduling-policy priority (clients could "
+        "otherwise jump every queue)"
+    )
     safety_margin: float | None = Field(None, ge=0.0, le=1.0)
     return_logprobs: bool = False
     seed: int | None = None

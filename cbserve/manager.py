@@ -318,8 +318,8 @@ class ContinuousBatchingManager:
                 raise RuntimeError("the manager is stopped: call start() before adding requests")
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
-            share = validation.scheduling(**{k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS
-                                             if k in sampling_args})
+            share = validation.scheduling(self.config.priority_scheduling, **{
+                k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS if k in sampling_args})
             sampling = self._sampling(sampling_args)
             self._check_queue_room(len(prompts))
             requests: list[Request] = []

@@ -155,7 +155,14 @@ def test_preemption_evicts_the_lowest_priority_first() -> None:
 def test_manager_takes_priority_tenant_and_parent_and_refuses_bad_ones() -> None:
     model = tiny_model("llama")
     gc = GenerationConfig(max_new_tokens=2, do_sample=False)
-    manager = cbserve.ContinuousBatchingManager(model, gc, cbserve.ContinuousBatchingConfig(page_size=16))
+    plain = cbserve.ContinuousBatchingManager(model, gc, cbserve.ContinuousBatchingConfig(page_size=16))
+    with pytest.raises(InvalidRequestError) as info:  # vLLM's rule without its priority policy
+        plain.add_request([5, 6, 7], priority=1)
+    assert info.value.field == "priority"
+    plain.add_request([5, 6, 7], priority=0, tenant="t")
+    plain.destroy()
+    config = cbserve.ContinuousBatchingConfig(page_size=16, priority_scheduling=True)
+    manager = cbserve.ContinuousBatchingManager(model, gc, config)
     rid = manager.add_request([5, 6, 7], priority=-3, tenant="t", parent_id="p")
     queued = manager._live[rid]
     assert (queued.priority, queued.tenant, queued.parent_id) == (-3, "t", "p")
@@ -204,3 +211,69 @@ def test_engine_tokens_identical_to_running_alone_and_the_single_request_not_sta
         assert r.generated == ref_big[0], r.request_id
     assert single.generated == ref_single[0]
     assert single.logprobs == pytest.approx(ref_single[1], abs=1e-6)
+
+
+# -- the fronts: parent, priority and tenant on every choice -------------------------------------
+
+
+def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tenant() -> None:
+    from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.openai_service import OpenAIService
+    from cbserve.serving.requests import user_tenant
+    from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+
+    service = OpenAIService(ClusterArgs(), open_choice=None)
+    wreqs = service.completion_requests(CompletionRequest(prompt=["a", "b"], n=3, priority=-2, user="alice"), "cmpl-1")
+    assert len(wreqs) == 6
+    assert {(w.options.parent_id, w.options.priority, w.options.tenant) for w in wreqs} == {
+        ("cmpl-1", -2, user_tenant("alice"))}
+    assert "alice" not in user_tenant("alice")
+    chat = service.chat_requests(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=2), "chat-1")
+    assert {(w.options.parent_id, w.options.priority, w.options.tenant) for w in chat} == {("chat-1", None, None)}
+    with pytest.raises(ValueError, match="priority"):
+        CompletionRequest(prompt="a", priority=2**63)
+
+
+def test_the_api_key_is_the_tenant_of_every_choice() -> None:
+    import asyncio
+
+    from cbserve.cluster.ingress import OpenAIIngress
+    from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.protocol import SamplingOptions, WorkerEvent, WorkerRequest
+    from cbserve.serving.requests import key_tenant, user_tenant
+
+    args = ClusterArgs(api_key="k1", api_keys=["k2", "k1"])
+    assert args.resolved_api_keys() == ["k1", "k2"]
+    with pytest.raises(ValueError, match="api_keys"):
+        ClusterArgs(api_keys=[" "])
+    sent: list[WorkerRequest] = []
+
+    class Stream:
+        def __init__(self) -> None:
+            self.cancel = lambda: None
+
+        async def __anext__(self) -> WorkerEvent:
+            return WorkerEvent(kind="start")
+
+    class Handle:
+        def remote(self, wreq: WorkerRequest) -> Stream:
+            sent.append(wreq)
+            return Stream()
+
+    ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve
+    ingress.args, ingress._generate = args, Handle()
+    wreq = WorkerRequest(request_id="r", prompt="x", options=SamplingOptions(tenant=user_tenant("bob")))
+
+    async def call(header: str | None) -> bool:
+        ok = ingress._authorized(header)
+        if ok:
+            await ingress._open_choice(wreq)
+        return ok
+
+    ingress._api_keys = {k: key_tenant(k) for k in args.resolved_api_keys()}
+    assert [asyncio.run(call(h)) for h in ("Bearer k2", "Bearer k3", "Basic k1", None)] == [True, False, False, False]
+    assert [w.options.tenant for w in sent] == [key_tenant("k2")]  # the key's, not the client's user
+    assert "k2" not in key_tenant("k2")
+    ingress._api_keys = {}
+    assert asyncio.run(call(None))
+    assert sent[-1].options.tenant == user_tenant("bob")

@@ -74,6 +74,7 @@ def _options(line: BatchLine) -> SamplingOptions:
         min_p=line.min_p, repetition_penalty=line.repetition_penalty, presence_penalty=line.presence_penalty,
         frequency_penalty=line.frequency_penalty, logit_bias=logit_bias(line.logit_bias), min_tokens=line.min_tokens,
         ignore_eos=line.ignore_eos or None, stop_token_ids=line.stop_token_ids, cache_salt=line.cache_salt,
+        priority=line.priority or None,
     )
 
 

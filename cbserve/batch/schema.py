@@ -63,6 +63,8 @@ class BatchLine(StructuredFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's, and k top")
     cache_salt: str | None = Field(None, description="vLLM's: prefix pages shared only among lines of one salt")
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description="vLLM's: lower runs first (needs the engine's "
+                          "priority_scheduling)")
     metadata: dict[str, Any] | None = Field(None, description="copied to the output line as is")
 
     @field_validator("id", mode="before")

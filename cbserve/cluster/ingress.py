@@ -7,17 +7,19 @@ refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 method of the same name here. The protocol itself (bodies, choices, replies) is in
 `cbserve.serving`; this module adds Ray: the handle to the engine replicas and its failures.
 
-With an API key, every route but `/health` needs it (`/metrics` too when
-`metrics_require_api_key`), unknown routes included: without the key a client learns nothing
-but 401. Client bytes are only ever parsed as JSON (then pydantic) or protobuf, never unpickled
-or evaluated.
+With API keys (`api_key`, `api_keys`), every route but `/health` needs one (`/metrics` too when
+`metrics_require_api_key`), unknown routes included: without a key a client learns nothing
+but 401. Each key is a tenant of the engines' fair share (its digest on every choice it sends).
+Client bytes are only ever parsed as JSON (then pydantic) or protobuf, never unpickled or
+evaluated.
 """
 
 import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +40,7 @@ from cbserve.serving.metrics import ServingMetrics
 from cbserve.serving.openai_service import OpenAIService, Reply
 from cbserve.serving.protocol import WorkerRequest
 from cbserve.serving.replies import ChoiceStream
+from cbserve.serving.requests import bind_call_tenant, key_tenant, with_call_tenant
 from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
@@ -110,17 +113,21 @@ def check_control_headers(headers: Any) -> None:
 class OpenAIIngress:
     """Serve ingress (made a deployment in `app.py`)."""
 
+    # API key -> its tenant (empty: no key needed, also for a handler built without __init__).
+    _api_keys: Mapping[str, str] = MappingProxyType({})
+
     def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
         self.args = ClusterArgs(**args)
         self._replicas = replicas  # the engine replicas' deployment
         self._generate = replicas.options(stream=True, method_name="generate")
         self._board = board
-        self._api_key = self.args.resolved_api_key()
+        # Each key is a tenant of the engine's fair share, known by its digest only.
+        self._api_keys = {key: key_tenant(key) for key in self.args.resolved_api_keys()}
         self.metrics = ServingMetrics(self.args.model_name)
         self._relay = MetricsRelay(self.metrics, board, this_replica(), self.args.routing.stats_period_s)
         self._relay.start()  # every ingress replica's series on /metrics, whichever answers
         self.service = OpenAIService(self.args, self._open_choice, self.metrics)
-        if self._api_key is None:
+        if not self._api_keys:
             self._warn_if_exposed()
 
     def _warn_if_exposed(self) -> None:
@@ -134,6 +141,7 @@ class OpenAIIngress:
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
+        wreq = with_call_tenant(wreq)  # the API key's tenant, never the client's `user`
         try:
             # .remote() itself raises BackPressureError when the queue for the workers is full.
             gen = self._generate.remote(wreq)
@@ -154,13 +162,22 @@ class OpenAIIngress:
         return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
 
     def _authorized(self, presented: str | None) -> bool:
-        if self._api_key is None:
+        """The `Authorization` value holds one of the keys (or none is needed); the call's tenant
+        is then that key's."""
+        if not self._api_keys:
+            bind_call_tenant(None)
             return True
         scheme, _, token = (presented or "").partition(" ")
+        # Constant time, and every key compared: neither how much of a key matched nor which
+        # key did is revealed.
+        found = None
+        for key, tenant in self._api_keys.items():
+            if hmac.compare_digest(token.strip().encode(), key.encode()):
+                found = tenant
         if scheme.lower() != "bearer":
-            return False
-        # Constant time: the comparison does not reveal how much of the key matched.
-        return hmac.compare_digest(token.strip().encode(), self._api_key.encode())
+            found = None
+        bind_call_tenant(found)
+        return found is not None
 
     def _check_auth(self, request: Request) -> None:
         if not self._authorized(request.headers.get("authorization")):

@@ -146,6 +146,10 @@ class ClusterArgs(Strict):
                             "a single worker replica and a single ingress replica"
     )
     api_key: str | None = Field(None, description=f"required bearer token; also read from ${API_KEY_ENV}")
+    api_keys: list[str] = Field(
+        default_factory=list, description="more accepted bearer tokens, one per tenant: each key gets an equal share "
+        "of the engines (scheduler/fair_share.py)"
+    )
     metrics_require_api_key: bool = Field(
         False, description="True: GET /metrics needs the API key too (only /health stays open)"
     )
@@ -180,6 +184,18 @@ class ClusterArgs(Strict):
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def resolved_api_keys(self) -> list[str]:
+        """Every accepted key: `api_key` (or $CBSERVE_API_KEY) and `api_keys`."""
+        first = self.resolved_api_key()
+        return list(dict.fromkeys(([first] if first else []) + self.api_keys))
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_empty(cls, v: list[str]) -> list[str]:
+        if any(not key.strip() for key in v):
+            raise ValueError("api_keys: every key must be a non-empty string")
+        return v
 
 
 def cpus_per_rank(args: ClusterArgs, node_cpus: float | None = None) -> float:

@@ -34,7 +34,7 @@ from cbserve.serving.replies import (
     usage,
     worker_failure,
 )
-from cbserve.serving.requests import check_limits, logit_bias, routing_hashes, worker_request
+from cbserve.serving.requests import check_limits, logit_bias, routing_hashes, user_tenant, worker_request
 from cbserve.serving.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -134,8 +134,10 @@ class OpenAIService:
         check_limits(self.args.limits, max_tokens, req.n, num_prompts, req.stop_list())
 
     @staticmethod
-    def _options(req: SamplingFields) -> SamplingOptions:
+    def _options(req: SamplingFields, rid: str) -> SamplingOptions:
+        """The engine options; `rid` (the API call's id) is every choice's parent request."""
         return SamplingOptions(
+            priority=req.priority or None, tenant=user_tenant(req.user), parent_id=rid,
             min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias),
             min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids,
@@ -161,7 +163,7 @@ class OpenAIService:
         echo_k = req.logprobs if req.echo else None
         wanted = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
         fields: dict[str, Any] = {
-            "options": self._options(req), "constraint": requested(req), "logprobs": req.logprobs is not None,
+            "options": self._options(req, rid), "constraint": requested(req), "logprobs": req.logprobs is not None,
             "top_logprobs": req.logprobs or 0, "echo": req.echo, "prompt_logprobs": max(wanted) if wanted else None}
         out = []
         for p_idx, prompt in enumerate(prompts):
@@ -188,7 +190,7 @@ class OpenAIService:
         messages = template_messages(req.messages)
         hashes = routing_hashes(self.args.routing, messages=messages)
         fields: dict[str, Any] = {
-            "messages": messages, "options": self._options(req), "constraint": self._chat_constraint(req, mode),
+            "messages": messages, "options": self._options(req, rid), "constraint": self._chat_constraint(req, mode),
             "logprobs": req.logprobs, "top_logprobs": req.top_logprobs or 0, "prompt_logprobs": req.prompt_logprobs,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None}
         return [self._worker_request(req, f"{rid}-{c}", c, max_tokens, hashes, fields) for c in range(req.n)]

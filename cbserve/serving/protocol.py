@@ -31,6 +31,11 @@ class SamplingOptions(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # vLLM's: prefix pages shared only among requests of one salt
+    # The engine's fair share (cbserve/scheduler/fair_share.py): vLLM's priority (lower runs first);
+    # the tenant and the parent request (one API call) are set by the server, never by a client.
+    priority: int | None = None
+    tenant: str | None = None
+    parent_id: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

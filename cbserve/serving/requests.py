@@ -5,6 +5,8 @@ a front has (the engine knows nothing of them). Values the engine checks are pas
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +28,40 @@ def check_limits(limits: LimitsConfig, max_tokens: int | None = None, n: int = 1
         raise InvalidRequestError("prompt", f"at most {limits.max_prompts} prompts per request, got {prompts}")
     if len(stops) > limits.max_stop:
         raise InvalidRequestError("stop", f"at most {limits.max_stop} stop strings, got {len(stops)}")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def key_tenant(api_key: str) -> str:
+    """The tenant of a deployment's API key (the engine's fair share): a digest, so that neither
+    the engine nor a log line ever holds the key."""
+    return f"key:{_digest(api_key)}"
+
+
+def user_tenant(user: str | None) -> str | None:
+    """The tenant named by OpenAI's `user` field, used when the deployment has no API keys (a
+    key's tenant replaces it otherwise: a client cannot pick its share by naming users)."""
+    return None if not user else f"user:{_digest(user)}"
+
+
+# The tenant of the API call being served (its API key's): each call runs in a task of its own,
+# and the tasks opening its choices copy its context.
+_CALL_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cbserve_call_tenant", default=None)
+
+
+def bind_call_tenant(tenant: str | None) -> None:
+    """The tenant of the API call this task serves (None: the requests' own, from `user`)."""
+    _CALL_TENANT.set(tenant)
+
+
+def with_call_tenant(wreq: WorkerRequest) -> WorkerRequest:
+    """`wreq` with the tenant bound to the API call it belongs to, when one is."""
+    tenant = _CALL_TENANT.get()
+    if tenant is None:
+        return wreq
+    return wreq.model_copy(update={"options": wreq.options.model_copy(update={"tenant": tenant})})
 
 
 def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = None,

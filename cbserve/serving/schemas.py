@@ -35,7 +35,6 @@ MAX_LOGPROBS = 20  # top logprobs per token (the engine's limit, vLLM's default 
 
 # Accepted and ignored on purpose: field -> why (README "Endpoints").
 IGNORED = {
-    "user": "an end-user id for OpenAI's abuse monitoring; this server keeps no per-user accounts",
     "response_format.json_schema.name / description": "labels for the schema; the grammar enforces it",
     "response_format.json_schema.strict": "always strict: the output is constrained by the schema's grammar",
     "tools[].function.strict": "named and required calls always follow the schema (grammar); auto calls "
@@ -120,7 +119,10 @@ class SamplingFields(StructuredFields):
     stop_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored: IGNORED
+    # With no API keys configured, the tenant of the engine's fair share (ignored with keys).
+    user: str | None = Field(None, strict=True)
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1, strict=True,
+                          description="vLLM's: lower runs first (before any fair share); an int64")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     repetition_penalty: float | None = Field(None, gt=0.0, strict=True)

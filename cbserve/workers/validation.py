@@ -53,12 +53,17 @@ def prompt(input_ids: Any, vocab_size: int) -> list[int]:
     return list(input_ids)
 
 
-def scheduling(priority: Any = None, tenant: Any = None, parent_id: Any = None) -> dict[str, Any]:
+def scheduling(priority_scheduling: bool, priority: Any = None, tenant: Any = None,
+               parent_id: Any = None) -> dict[str, Any]:
     """A request's `Request` fields for its share of the engine: `priority` (vLLM's: lower runs
-    first, default 0), `tenant` and `parent_id` (requests of one API call); None leaves one unset."""
+    first, default 0; another value needs `priority_scheduling`, as vLLM's needs its priority
+    policy), `tenant` and `parent_id` (requests of one API call); None leaves one unset."""
     fields: dict[str, Any] = {}
     if priority is not None:
         fields["priority"] = _integer("priority", priority, PRIORITY_MIN, PRIORITY_MAX)
+        if priority != 0 and not priority_scheduling:
+            raise InvalidRequestError("priority", f"priority {priority} needs priority_scheduling=True in the "
+                                      "engine config (only 0 is accepted without it)")
     for name, value in (("tenant", tenant), ("parent_id", parent_id)):
         if value is None:
             continue

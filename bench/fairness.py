@@ -1,0 +1,194 @@
+"""Fairness under a fan-out: the time to first token of one short request while another client
+sends 512-choice requests (64 prompts x n=8 on /v1/completions) back to back, against the same
+short request on the idle server (issue 26; target: within 2x).
+
+The fan-out client and the probe client are two tenants (two API keys of the app) unless
+`--one-tenant`; either way each API call is its own parent request in the engine's fair share
+(`cbserve/scheduler/fair_share.py`). The probe streams (`stream: true`) and its TTFT is the
+arrival of its first content chunk; probes run one after another, `--gap-s` apart, and a probe
+counts as "busy" only if a fan-out request was in flight for its whole duration.
+
+    python bench/fairness.py                                  # default model, local Ray + Serve
+    python bench/fairness.py --model tests-tiny-folder --prompts 16 --n 4
+    python bench/fairness.py --engine '{"parent_share": 0.03}' # a smaller cap on one call's choices
+    python bench/fairness.py --url http://127.0.0.1:8000 --api-key KEY   # a running `make serve`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import load  # bench/load.py: the SSE client, the local Ray + Serve app
+
+FANOUT_KEY, PROBE_KEY = "fanout-tenant-key", "probe-tenant-key"
+
+
+@dataclass
+class FanOut:
+    """The fan-out client's requests: (start, end, completion tokens or an error)."""
+
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    in_flight_since: float | None = None
+
+
+def fanout_body(target: load.Target, prompts: int, n: int, max_tokens: int, round_: int) -> dict[str, Any]:
+    words = load.WORDS
+    texts = [f"{load.TASKS[i % len(load.TASKS)]} {words[(round_ * 7 + i) % len(words)]} {words[i % len(words)]}"
+             for i in range(prompts)]
+    return {"model": target.model, "prompt": texts, "n": n, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+
+
+async def fanout_loop(session: aiohttp.ClientSession, target: load.Target, args: argparse.Namespace,
+                      state: FanOut, stop: asyncio.Event) -> None:
+    """Send fan-out requests back to back until `stop` is set (the one in flight then finishes)."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    round_ = 0
+    while not stop.is_set():
+        start = state.in_flight_since = time.perf_counter()
+        body = fanout_body(target, args.prompts, args.n, args.fanout_max_tokens, round_)
+        try:
+            async with session.post(target.base_url + "/v1/completions", json=body, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=args.timeout_s)) as resp:
+                reply = await resp.json(content_type=None)
+            if resp.status != 200:
+                state.errors.append(f"http_{resp.status}: {str(reply)[:200]}")
+            else:
+                state.tokens += reply["usage"]["completion_tokens"]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            state.errors.append(f"{type(exc).__name__}: {exc}")
+        state.in_flight_since = None
+        state.spans.append((start, time.perf_counter()))
+        round_ += 1
+
+
+async def probe(session: aiohttp.ClientSession, target: load.Target, args: argparse.Namespace, index: int) -> load.Result:
+    spec = load.RequestSpec(index=index, prompt=f"Continue this text: {load.WORDS[index % len(load.WORDS)]}",
+                            max_tokens=args.probe_max_tokens)
+    return await load.stream_request(session, target, spec, load.Sampling(endpoint="completions", ignore_eos=True),
+                                     args.timeout_s)
+
+
+async def probes(session: aiohttp.ClientSession, target: load.Target, args: argparse.Namespace, first: int,
+                 state: FanOut | None = None) -> list[float]:
+    """TTFTs (s) of `args.probes` probes, one after another; with `state`, only those that ran
+    wholly inside one fan-out request."""
+    ttfts = []
+    for i in range(args.probes):
+        await asyncio.sleep(args.gap_s)
+        began = state.in_flight_since if state is not None else None
+        res = await probe(session, target, args, first + i)
+        if not res.ok or res.ttft is None:
+            print(f"probe {first + i} failed: {res.error} {res.detail}", flush=True)
+            continue
+        if state is not None and (began is None or state.in_flight_since != began):
+            continue  # no fan-out in flight for the whole probe
+        ttfts.append(res.ttft)
+    return ttfts
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"n": 0, "median_ms": None, "p90_ms": None}
+    ordered = sorted(values)
+    return {"n": len(values), "median_ms": 1000 * statistics.median(values),
+            "p90_ms": 1000 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+
+
+async def measure(target: load.Target, args: argparse.Namespace) -> dict[str, Any]:
+    fan_target = target if args.one_tenant else load.Target(**{**target.__dict__, "api_key": args.fanout_key})
+    probe_target = target if args.one_tenant else load.Target(**{**target.__dict__, "api_key": args.probe_key})
+    async with aiohttp.ClientSession() as session:
+        await probes(session, probe_target, argparse.Namespace(**{**vars(args), "probes": 2}), 10**6)  # warm-up
+        idle = await probes(session, probe_target, args, 0)
+        state, stop = FanOut(), asyncio.Event()
+        t0 = time.perf_counter()
+        loop = asyncio.ensure_future(fanout_loop(session, fan_target, args, state, stop))
+        await asyncio.sleep(args.settle_s)  # the first fan-out admitted and decoding
+        busy = await probes(session, probe_target, args, 1000, state)
+        stop.set()
+        await loop
+        wall = time.perf_counter() - t0
+    idle_s, busy_s = _stats(idle), _stats(busy)
+    ratio = (busy_s["median_ms"] / idle_s["median_ms"]) if idle_s["median_ms"] and busy_s["median_ms"] else None
+    return {"idle_ttft": idle_s, "busy_ttft": busy_s, "busy_over_idle_median": ratio,
+            "fanout": {"requests": len(state.spans), "choices_each": args.prompts * args.n,
+                       "completion_tokens": state.tokens, "tokens_per_s": state.tokens / wall,
+                       "seconds_each": [round(e - s, 2) for s, e in state.spans], "errors": state.errors[:5]}}
+
+
+def start_target(stack: contextlib.ExitStack, args: argparse.Namespace) -> load.Target:
+    if args.url:
+        return load.url_target(args.url, args.model_name, args.api_key)
+    extra = {"worker": {"num_replicas": 1, "num_cpus": args.cpus, **json.loads(args.worker)},
+             "limits": {"max_prompts": max(64, args.prompts), "max_n": max(8, args.n),
+                        "max_tokens": max(args.fanout_max_tokens, args.probe_max_tokens)}}
+    if not args.one_tenant:
+        extra["api_keys"] = [args.fanout_key, args.probe_key]
+    return load.start_cbserve(stack, args.model, args.cpus, json.loads(args.engine), extra)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="a running server instead of a local Ray + Serve app")
+    p.add_argument("--api-key", help="with --url: the key of both clients (one tenant)")
+    p.add_argument("--model-name", help="with --url: the served model name")
+    p.add_argument("--model", help="model folder or HF id for the local app (default: the default model)")
+    p.add_argument("--cpus", type=int, default=2, help="CPUs of the local app's worker replica")
+    p.add_argument("--engine", default="{}", help="JSON: ContinuousBatchingConfig fields of the local app")
+    p.add_argument("--worker", default='{"max_ongoing_requests": 1024}',
+                   help="JSON: worker settings of the local app (every choice must reach the engine's scheduler)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--fanout-max-tokens", type=int, default=16)
+    p.add_argument("--probe-max-tokens", type=int, default=4)
+    p.add_argument("--probes", type=int, default=8)
+    p.add_argument("--gap-s", type=float, default=0.5, help="pause before each probe")
+    p.add_argument("--settle-s", type=float, default=3.0, help="after the fan-out starts, before the first probe")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--one-tenant", action="store_true", help="no API keys: both clients are one tenant")
+    p.add_argument("--fanout-key", default=FANOUT_KEY)
+    p.add_argument("--probe-key", default=PROBE_KEY)
+    p.add_argument("--out", help="write the report (JSON) here")
+    args = p.parse_args(argv)
+    if args.url and (args.engine != "{}" or args.model):
+        p.error("--engine and --model configure the local app; they cannot change a server at --url")
+    if args.url:
+        args.one_tenant = True
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        target = start_target(stack, args)
+        report = {"args": vars(args), "target": target.info, **asyncio.run(measure(target, args))}
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ratio = report["busy_over_idle_median"]
+    print(f"TTFT median idle {report['idle_ttft']['median_ms']} ms, busy {report['busy_ttft']['median_ms']} ms, "
+          f"ratio {ratio if ratio is None else round(ratio, 2)} (target <= 2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
