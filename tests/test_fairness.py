@@ -232,6 +232,11 @@ def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tena
     assert {(w.options.parent_id, w.options.priority, w.options.tenant) for w in chat} == {("chat-1", None, None)}
     with pytest.raises(ValueError, match="priority"):
         CompletionRequest(prompt="a", priority=2**63)
+    # A request that is no API call's choice (gRPC, a batch line) is a parent of its own.
+    from cbserve.serving.requests import worker_request
+    from cbserve.serving.settings import GenerationDefaults
+
+    assert worker_request("grpc-1", GenerationDefaults(), [], prompt="x").options.parent_id == "grpc-1"
 
 
 def test_the_api_key_is_the_tenant_of_every_choice() -> None:

@@ -111,10 +111,15 @@ def worker_request(
         seed=seed,
         stop=list(stop),
         logprobs=logprobs,
-        options=options or SamplingOptions(),
+        options=_own_parent(options or SamplingOptions(), request_id),
         prefix_hashes=hashes,
         **fields,
     )
+
+
+def _own_parent(options: SamplingOptions, request_id: str) -> SamplingOptions:
+    """A request that is no API call's choice (gRPC, a batch line) is a parent request of its own."""
+    return options if options.parent_id is not None else options.model_copy(update={"parent_id": request_id})
 
 
 # A token id as a JSON key: ASCII digits only (str.isdigit() also takes "²" and "٣", which int()
