@@ -12,6 +12,7 @@ counts as "busy" only if a fan-out request was in flight for its whole duration.
     python bench/fairness.py --model tests-tiny-folder --prompts 16 --n 4
     python bench/fairness.py --engine '{"parent_share": 0.03}' # a smaller cap on one call's choices
     python bench/fairness.py --url http://127.0.0.1:8000 --api-key KEY   # a running `make serve`
+    python bench/fairness.py --manager                        # the engine alone, in this process
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import json
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +128,83 @@ async def measure(target: load.Target, args: argparse.Namespace) -> dict[str, An
         stop.set()
         await loop
         wall = time.perf_counter() - t0
+    return summary(idle, busy, state, wall, args)
+
+
+# -- --manager: the engine alone (a manager in this process: no HTTP, no Ray) -------------------
+
+
+def manager_probe(manager: Any, prompt: list[int], args: argparse.Namespace, index: int) -> float:
+    """TTFT (s) of one streamed probe, from submission to its first token."""
+    start = time.perf_counter()
+    rid = manager.add_request(prompt, max_new_tokens=args.probe_max_tokens, streaming=True, tenant="probe",
+                              parent_id=f"probe-{index}")
+    ttft = None
+    for out in manager.request_id_iter(rid):
+        if ttft is None and out.generated_tokens:
+            ttft = time.perf_counter() - start
+    return ttft
+
+
+def manager_fanout(manager: Any, prompts: list[list[int]], args: argparse.Namespace, state: FanOut,
+                   stop: threading.Event) -> None:
+    round_ = 0
+    while not stop.is_set():
+        start = state.in_flight_since = time.perf_counter()
+        rids = [manager.add_request(p, max_new_tokens=args.fanout_max_tokens, tenant="fanout",
+                                    parent_id=f"fanout-{round_}") for p in prompts for _ in range(args.n)]
+        for rid in rids:
+            out = manager.get_result(rid, timeout=args.timeout_s)
+            state.tokens += len(out.generated_tokens) if out is not None else 0
+        state.in_flight_since = None
+        state.spans.append((start, time.perf_counter()))
+        round_ += 1
+
+
+def manager_probes(manager: Any, tokenizer: Any, args: argparse.Namespace, first: int,
+                   state: FanOut | None = None) -> list[float]:
+    ttfts = []
+    for i in range(args.probes):
+        time.sleep(args.gap_s)
+        began = state.in_flight_since if state is not None else None
+        prompt = tokenizer(f"Continue this text: {load.WORDS[(first + i) % len(load.WORDS)]}").input_ids
+        ttft = manager_probe(manager, prompt, args, first + i)
+        if state is None or (began is not None and state.in_flight_since == began):
+            ttfts.append(ttft)
+    return ttfts
+
+
+def measure_manager(args: argparse.Namespace) -> dict[str, Any]:
+    """The same measurement on the engine alone: a manager in this process."""
+    from transformers import GenerationConfig
+
+    import cbserve
+    from cbserve.models import load_model
+
+    model, tokenizer = load_model(args.model, dtype="float32")
+    gc = GenerationConfig(do_sample=False, eos_token_id=None)  # every choice runs to its max_new_tokens
+    manager = cbserve.ContinuousBatchingManager(model, gc, cbserve.ContinuousBatchingConfig(**json.loads(args.engine)))
+    manager.start()
+    try:
+        body = fanout_body(load.Target("manager", "", ""), args.prompts, args.n, args.fanout_max_tokens, 0)
+        prompts = [tokenizer(t).input_ids for t in body["prompt"]]
+        manager_probes(manager, tokenizer, argparse.Namespace(**{**vars(args), "probes": 2}), 10**6)  # warm-up
+        idle = manager_probes(manager, tokenizer, args, 0)
+        state, stop = FanOut(), threading.Event()
+        t0 = time.perf_counter()
+        loop = threading.Thread(target=manager_fanout, args=(manager, prompts, args, state, stop))
+        loop.start()
+        time.sleep(args.settle_s)
+        busy = manager_probes(manager, tokenizer, args, 1000, state)
+        stop.set()
+        loop.join()
+        wall = time.perf_counter() - t0
+    finally:
+        manager.stop()
+    return summary(idle, busy, state, wall, args)
+
+
+def summary(idle: list[float], busy: list[float], state: FanOut, wall: float, args: argparse.Namespace) -> dict:
     idle_s, busy_s = _stats(idle), _stats(busy)
     ratio = (busy_s["median_ms"] / idle_s["median_ms"]) if idle_s["median_ms"] and busy_s["median_ms"] else None
     return {"idle_ttft": idle_s, "busy_ttft": busy_s, "busy_over_idle_median": ratio,
@@ -148,6 +227,7 @@ def start_target(stack: contextlib.ExitStack, args: argparse.Namespace) -> load.
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server instead of a local Ray + Serve app")
+    p.add_argument("--manager", action="store_true", help="the engine alone: a manager in this process (no HTTP)")
     p.add_argument("--api-key", help="with --url: the key of both clients (one tenant)")
     p.add_argument("--model-name", help="with --url: the served model name")
     p.add_argument("--model", help="model folder or HF id for the local app (default: the default model)")
@@ -177,9 +257,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        target = start_target(stack, args)
-        report = {"args": vars(args), "target": target.info, **asyncio.run(measure(target, args))}
+    if args.manager:
+        report = {"args": vars(args), "target": "manager", **measure_manager(args)}
+    else:
+        with contextlib.ExitStack() as stack:
+            target = start_target(stack, args)
+            report = {"args": vars(args), "target": target.info, **asyncio.run(measure(target, args))}
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.out:
