@@ -525,6 +525,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-settings", default="tune", help="tune, or one candidate: defaults, all-cores, nobind, "
                    "all-cores+tcmalloc, all-cores+tcmalloc+iomp")
     p.add_argument("--tune-requests", type=int, default=16, help="requests of the mixed probe per candidate")
+    p.add_argument("--tune-candidates", type=_csv, default=None, help="tune among these only (default: all)")
     p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-env", action="append", default=[], metavar="NAME=VALUE", help="more vLLM environment")
     p.add_argument("--agree-first", type=int, default=16, help="greedy agreement on this many first tokens")
@@ -571,7 +572,11 @@ def choose_vllm_env(args: argparse.Namespace, folder: str, logs: Path) -> tuple[
     """The vLLM environment every vLLM run gets, and how it was chosen."""
     candidates = vllm_candidates(args.vllm_kv_gib, find_tcmalloc(), find_iomp(args.vllm_python))
     if args.vllm_settings == "tune":
-        tuning = tune_vllm(args, folder, candidates, logs)
+        unknown = set(args.tune_candidates or ()) - set(candidates)
+        if unknown:
+            sys.exit(f"--tune-candidates: {sorted(unknown)} not among {sorted(candidates)}")
+        tried = {k: v for k, v in candidates.items() if args.tune_candidates is None or k in args.tune_candidates}
+        tuning = tune_vllm(args, folder, tried, logs)
     elif args.vllm_settings in candidates:
         tuning = {"chosen": args.vllm_settings}
     else:
@@ -643,6 +648,9 @@ def print_report(report: dict[str, Any]) -> None:
             print("  tuning probe tok/s: " + ", ".join(f"{k} {_s(v)}" for k, v in probes.items()))
     if "offline" in report:
         print("\noffline (tok/s, median of the rounds):\n" + format_offline(report["offline"]))
+        notes = {r["engine"]: (r["note"], r["ready_s"]) for r in report["offline_rounds"]}
+        for engine, (note, ready) in notes.items():
+            print(f"  {engine}: {note} (loaded and ready in {ready:.0f} s)")
     if "served" in report:
         print("\nserved, streamed /v1/completions (medians of the rounds):\n" + format_served(report["served"]))
         print("\nstartup (from the server's start):\n" + format_startup(report["startup"]))
