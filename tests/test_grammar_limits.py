@@ -80,12 +80,12 @@ def test_a_compile_past_its_time_is_refused_and_frees_its_thread() -> None:
 
 
 def test_overrunning_compiles_are_capped_then_the_pool_is_busy() -> None:
-    pool = CompilePool(threads=1, timeout_s=0.2)
+    pool = CompilePool(threads=1, timeout_s=0.3)
     release, calls = threading.Event(), []
     first = in_thread(pool.run, "a", blocked(release, calls, "a"))
-    time.sleep(0.3)  # "a" overran: its slot went free
+    time.sleep(0.5)  # "a" overran: its slot went free
     second = in_thread(pool.run, "b", blocked(release, calls, "b"))
-    time.sleep(0.3)  # "b" overran too, but one overrunning compile is the cap: its slot stays held
+    time.sleep(0.5)  # "b" overran too, but one overrunning compile is the cap: its slot stays held
     with pytest.raises(CompilerBusy) as err:
         pool.run("c", lambda: "c")
     assert isinstance(err.value, QueueFullError)  # an overload (HTTP 503), not the request's fault
