@@ -592,7 +592,7 @@ def check_peer(args: argparse.Namespace, folder: str) -> int:
     if missing:
         print(f"vLLM peer missing: {missing}")
         return 1
-    job = offline_job(PEER, "bfloat16", [common.Workload("check", [[100 + i for i in range(16)]], [8])], args, folder)
+    job = offline_job(PEER, "float32", [common.Workload("check", [[100 + i for i in range(16)]], [8])], args, folder)
     log = Path(tempfile.mkdtemp(prefix="cbserve-peers-")) / "check.log"
     env = vllm_candidates(args.vllm_kv_gib, None, None)["defaults"]
     res = run_child(args.vllm_python, job, {**env, **args.vllm_env}, log, args.child_timeout)

@@ -155,3 +155,13 @@ def test_requests_ask_servers_to_ignore_eos() -> None:
     spec = load.RequestSpec(0, [1, 2, 3], 8)
     assert load.request_body(target, spec, load.Sampling("completions", 0.0, ignore_eos=True))["ignore_eos"] is True
     assert "ignore_eos" not in load.request_body(target, spec, load.Sampling("completions", 0.0))
+
+
+def test_named_vllm_settings_need_no_probe(tmp_path: Path) -> None:
+    args = peers.parse_args(["--vllm-settings", "all-cores", "--vllm-kv-gib", "3", "--vllm-env", "X=1"])
+    env, how = peers.choose_vllm_env(args, "unused-folder", tmp_path)  # no subprocess: nothing to tune
+    assert how["chosen"] == "all-cores" and "probe_tokens_per_s" not in how
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "X": "1"}
+    for bad in (["--vllm-settings", "fastest"], ["--tune-candidates", "defaults,bogus"]):
+        with pytest.raises(SystemExit):
+            peers.choose_vllm_env(peers.parse_args(bad), "unused-folder", tmp_path)
