@@ -11,6 +11,12 @@ checked as YAML, the RayService and RayJob against KubeRay's CRD schema (ray.io/
 `tests/data/kuberay_v1_schemas.json.gz`: no unknown field, which Kubernetes would silently drop),
 pod resources against what a replica asks Ray for, and `serveConfigV2` against Ray's own
 `ServeDeploySchema`.
+
+Security (issue 26): every pod and container under Kubernetes' "restricted" Pod Security
+Standard with a read-only root filesystem; the NetworkPolicies evaluated as Kubernetes would for
+outside clients, other pods, the KubeRay operator and the batch job's submitter; ClusterIP
+services only and Ray's token authentication; the ServiceMonitor's API key; a comment on every
+value; and (with `unshare`, marked ray/slow) Ray, Serve and cbserve run on such a filesystem.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import copy
 import functools
 import gzip
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -913,3 +922,104 @@ def test_security_defaults(helm: Any) -> None:
     assert values["apiKey"]["protectMetrics"] is True and values["networkPolicy"]["serveFrom"] == []
     assert values["containerSecurityContext"]["readOnlyRootFilesystem"] is True
     assert values["podSecurityContext"]["runAsUser"] == RAY_UID
+
+
+# Run in a mount namespace whose root is read-only, with fresh tmpfs at the chart's writable mounts:
+# a Ray head with the dashboard and token authentication (what KubeRay's authOptions sets), Serve,
+# the cbserve app on the tiny model, one completion; prints what it saw as one JSON line.
+_POD_FILESYSTEM_RUN = """
+import json, os, sys, urllib.error, urllib.request
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest_cluster import build_tiny_model, free_port
+
+def writable(folder):
+    try:
+        Path(folder, ".probe").write_text("")
+        return True
+    except OSError:
+        return False
+
+def status(url, headers):
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+seen = {"root": writable("/"), "home": writable(os.path.expanduser("~")), "tmp": writable("/tmp")}
+model = build_tiny_model(Path("/tmp/model"))
+import ray
+from ray import serve
+from cbserve.cluster.app import build_app
+dashboard, http = free_port(), free_port()
+ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+         dashboard_port=dashboard, log_to_driver=False)
+try:
+    seen["session"] = ray._private.worker._global_node.get_session_dir_path()
+    serve.start(http_options={"host": "127.0.0.1", "port": http})
+    args = {"model": str(model), "served_model_name": "tiny", "generation": {"max_tokens": 4},
+            "engine": {"page_size": 8, "num_blocks": 64, "max_batch_tokens": 128}, "worker": {"num_cpus": 1.0}}
+    serve.run(build_app(args), name="cbserve", route_prefix="/")
+    body = json.dumps({"model": "tiny", "prompt": "hello world", "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    seen["completion_tokens"] = json.load(urllib.request.urlopen(request, timeout=300))["usage"]["completion_tokens"]
+    jobs = f"http://127.0.0.1:{dashboard}/api/jobs/"
+    seen["jobs_without_token"] = status(jobs, {})
+    seen["jobs_with_token"] = status(jobs, {"Authorization": "Bearer " + os.environ["RAY_AUTH_TOKEN"]})
+    from cbserve.kernels import cpu_kernels
+    seen["cpu_kernels"] = cpu_kernels.unavailable_reason() or "built"  # by the replica, under TORCH_EXTENSIONS_DIR
+    serve.shutdown()
+finally:
+    ray.shutdown()
+print("SEEN " + json.dumps(seen))
+"""
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_serves_on_the_pods_read_only_root_filesystem(helm: Any) -> None:
+    """Ray, Serve and cbserve run as the chart's pods have them: the root filesystem read-only
+    ($HOME included, empty as an image's), only the chart's emptyDir mounts (and KubeRay's
+    /dev/shm) writable, the chart's environment (caches under /tmp), Ray token authentication on.
+    The Serve port answers without Ray's token; the dashboard's job API only with it; the C++ CPU
+    kernels build as they do outside."""
+    import tempfile
+
+    from cbserve.kernels import cpu_kernels
+
+    if subprocess.run(["unshare", "-r", "-m", "true"], check=False, capture_output=True).returncode:
+        pytest.skip("needs unprivileged user and mount namespaces (unshare -r -m)")
+    spec = rayservice(render(helm, None))["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    emptydirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+    writable = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in emptydirs]
+    assert writable == ["/tmp"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    # An empty $HOME off /tmp (which the namespace covers), read-only there like the image's.
+    home = tempfile.mkdtemp(prefix="cbserve-home-", dir="/var/tmp" if os.path.isdir("/var/tmp") else REPO.parent)
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t0ken" * 8, "PYTHONPATH": str(REPO), "HOME": home}
+    # Read-only: the root and whatever other mounts hold $HOME, the repository and Python.
+    read_only = sorted({_mount_point(Path(p)) for p in ("/", home, REPO, sys.prefix)})
+    steps = [f"mount -o remount,bind,ro {shlex.quote(str(p))}" for p in read_only]
+    steps += [f"mount -t tmpfs -o size=4g tmpfs {shlex.quote(p)}" for p in writable]
+    steps.append(shlex.join([sys.executable, "-c", _POD_FILESYSTEM_RUN, str(REPO / "tests")]))
+    out = subprocess.run(["unshare", "-r", "-m", "sh", "-c", " && ".join(steps)], check=False,
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=800)
+    os.rmdir(home)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("SEEN ")]
+    assert out.returncode == 0 and lines, out.stderr[-4000:]
+    seen = json.loads(lines[-1][5:])
+    assert (seen["root"], seen["home"], seen["tmp"]) == (False, False, True)
+    assert seen["session"].startswith("/tmp/ray/")
+    assert seen["completion_tokens"] == 4
+    assert (seen["jobs_without_token"], seen["jobs_with_token"]) == (401, 200)
+    assert seen["cpu_kernels"] == (cpu_kernels.unavailable_reason() or "built")
