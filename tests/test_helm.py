@@ -658,9 +658,10 @@ def test_every_pod_and_container_runs_restricted(helm: Any, values: Any) -> None
 
 def test_read_only_root_filesystem_moves_the_home_caches_under_tmp(helm: Any) -> None:
     """What would be written under $HOME (read-only now) goes to the /tmp emptyDir; `env` still wins."""
-    caches = {"TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "CBSERVE_CACHE_DIR", "CUDA_CACHE_PATH"}
-    mine = {"env": [{"name": "TRITON_CACHE_DIR", "value": "/shared/triton"}]}
-    for values, expected in ((None, {}), (mine, {"TRITON_CACHE_DIR": "/shared/triton"})):
+    caches = {"TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "CBSERVE_CACHE_DIR", "CUDA_CACHE_PATH", "HF_HOME"}
+    baked = "/home/ray/.cache/huggingface"  # weights in the image's cache: `env` points there
+    mine = {"env": [{"name": "HF_HOME", "value": baked}, {"name": "HF_HUB_OFFLINE", "value": "1"}]}
+    for values, expected in ((None, {}), (mine, {"HF_HOME": baked})):
         for where, pod in pod_templates(render(helm, values)).items():
             if where.endswith("submitter"):
                 continue

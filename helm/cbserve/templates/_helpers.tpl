@@ -394,14 +394,14 @@ sockets, spilled objects) and the caches of `cbserve.cacheEnv` live. */}}
 
 {{/* With a read-only root filesystem, the caches that would go under $HOME (the image's, read-only)
 go under /tmp instead: Triton's compiled kernels, cbserve's C++ CPU kernels and dequantized GGUF
-models, CUDA's JIT cache. Names already in `env` are left to it. The Hugging Face cache stays the
-image's (read-only): a model by HF id must be in it, or come from model.volume / model.download. */}}
+models, CUDA's JIT cache, and the Hugging Face cache (a model given by HF id downloads there). Names
+already in `env` are left to it (e.g. HF_HOME pointing at a cache baked into the image). */}}
 {{- define "cbserve.cacheEnv" -}}
 {{- if .Values.containerSecurityContext.readOnlyRootFilesystem -}}
 {{- $given := dict -}}
 {{- range .Values.env }}{{ $_ := set $given .name true }}{{ end -}}
 {{- $caches := dict "TRITON_CACHE_DIR" "/tmp/cache/triton" "TORCH_EXTENSIONS_DIR" "/tmp/cache/torch_extensions"
-    "CBSERVE_CACHE_DIR" "/tmp/cache/cbserve" "CUDA_CACHE_PATH" "/tmp/cache/nv" -}}
+    "CBSERVE_CACHE_DIR" "/tmp/cache/cbserve" "CUDA_CACHE_PATH" "/tmp/cache/nv" "HF_HOME" "/tmp/cache/huggingface" -}}
 {{- range $name := keys $caches | sortAlpha }}
 {{- if not (hasKey $given $name) }}
 - {name: {{ $name }}, value: {{ get $caches $name }}}
