@@ -79,7 +79,7 @@ class FaultyEngine(InProcessEngine):
 
 
 def make_job(model_dir: Path, inp: Path, out: Path, backend: Any = None, **opts: Any) -> BatchJob:
-    options = BatchOptions(input=inp, output=out, progress=False, retries=0, retry_delay_s=0.01, **opts)
+    options = BatchOptions(input=inp, output=out, **{"progress": False, "retries": 0, "retry_delay_s": 0.01, **opts})
     defaults = RequestDefaults(max_tokens=4, temperature=0.0)
     return BatchJob(options, backend if backend is not None else InProcessEngine(model_dir), defaults)
 
@@ -279,12 +279,12 @@ def test_engine_actor_raising_is_a_record_not_lost(model_dir: Path, tmp_path: Pa
     from cbserve.errors import InvalidRequestError
 
     class RaisingActor(EngineActor):  # defined here: Ray ships it to the actor by value
-        async def run(self, req: WorkerRequest) -> ChoiceResult:
+        async def _run(self, req: WorkerRequest) -> ChoiceResult:
             if req.prompt == "boom":
                 raise ZeroDivisionError("injected engine fault")
             if req.prompt == "refuse":
                 raise InvalidRequestError("temperature", "temperature: injected refusal")
-            return await super().run(req)
+            return await super()._run(req)
 
     lines = [GOOD[0], {"id": "boom", "prompt": "boom", "raw": True},
              {"id": "refuse", "prompt": "refuse", "raw": True}, GOOD[1]]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.errors import error_event
 from cbserve.serving.protocol import WorkerRequest
 from cbserve.serving.replies import ChoiceResult, fold
 
@@ -70,6 +71,12 @@ class EngineActor:
         return self._replica.stats()
 
     async def run(self, req: WorkerRequest) -> ChoiceResult:
+        try:
+            return await self._run(req)
+        except InvalidRequestError as exc:  # sent back as a 400 result: the exception does not unpickle
+            return ChoiceResult(error=error_event(400, exc.message, exc.field))
+
+    async def _run(self, req: WorkerRequest) -> ChoiceResult:
         return await fold(self._replica.generate(req))
 
 
