@@ -127,7 +127,7 @@ class EngineReplica:
             eos_token_id=eos,
             max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
             default_max_tokens=self.args.generation.max_tokens,
-            grammars=Grammars(self.tokenizer, int(model.config.vocab_size), eos),
+            grammars=Grammars(self.tokenizer, int(model.config.vocab_size), eos, config=self.manager.config),
         )
         self.vocab_size = int(model.config.vocab_size)
         logger.info("engine replica %s ready: %s", self.replica, self.args.model_name)
