@@ -132,6 +132,28 @@ def test_two_apps_on_a_node_keep_their_own_pools(ray_local: Any) -> None:
     assert node_pools.close_all() == 3
 
 
+def test_a_serve_replica_scopes_its_pool_by_app_and_deployment(ray_local: Any) -> None:
+    """What `ensure_node_pool` names a Serve replica's pool by: its app and deployment."""
+    from ray import serve
+
+    from cbserve.cluster import node_pools
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Scope:
+        def __call__(self) -> str:
+            return node_pools.pool_scope()
+
+    serve.start(proxy_location="Disabled")  # a handle call: no HTTP port taken
+    try:
+        handles = [serve.run(Scope.options(name=d).bind(), name=app, route_prefix=None)
+                   for app, d in (("first", "LLMWorker"), ("second", "LLMWorker"))]
+        scopes = [h.remote().result(timeout_s=60) for h in handles]
+    finally:
+        serve.shutdown()
+    assert scopes == ["app:first/LLMWorker", "app:second/LLMWorker"]
+    assert node_pools.pool_scope().startswith("job:")  # this driver is no replica
+
+
 def test_node_pool_refuses_tensor_parallel() -> None:
     with pytest.raises(ValueError, match="node_pool works with tp_size 1 only"):
         ClusterArgs(tp_size=2, cpu_offload={"per_node_gib": 1, "node_pool": True})
