@@ -263,8 +263,9 @@ async def run_request(
     except QueueFullError as exc:  # an overload: the front answers 503 + Retry-After
         yield WorkerEvent(kind="error", status=503, message=f"The server is overloaded: {exc}", code="overloaded")
         return
-    except RuntimeError as exc:  # the manager is stopping (replica draining or shutting down)
-        yield error_event(503, f"this worker is not accepting requests: {exc}")
+    except RuntimeError as exc:  # the manager is stopping, or its engine failed (the log says which)
+        logger.warning("a request was refused by the manager: %s", exc)
+        yield error_event(503, "this worker is not accepting requests (draining or being replaced); retry")
         return
     yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids))
     async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids), interval_s):
