@@ -27,6 +27,13 @@ class RequestFault(InvalidRequestError):
     which may hold internals, stays in `__cause__` for the log."""
 
 
+class EngineFault(RuntimeError):
+    """A step failed through no request's fault, in a way a client may be told of: `public` says
+    what failed without the internals in the message (the log has those)."""
+
+    public = "the engine serving this request failed"
+
+
 class QueueFullError(queue.Full):
     """A request refused because the manager's waiting queue holds `max_queue_size` requests
     already: an overload, not a bad request (HTTP maps it to its overload answer). A `queue.Full`,

@@ -472,8 +472,13 @@ def test_ray_job_submit_succeeds(ray_head: RayHead, model_dir: Path, lines: Line
     job = [sys.executable, "-m", "cbserve.batch", "--input", str(inp), "--output", str(out),
            "--model", str(model_dir), "--engine", json.dumps(ENGINE), "--max-tokens", str(DEFAULT_MAX_TOKENS),
            "--temperature", "0", "--no-progress", "--log-every", "10"]  # fmt: skip
-    submit = _run([_ray_cli(), "job", "submit", "--address", ray_head.address, "--submission-id", job_id,
-                   "--working-dir", str(REPO), "--", *job], ray_head.env, 300)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:  # the head answers `ray job list` before its job agent has registered
+        submit = _run([_ray_cli(), "job", "submit", "--address", ray_head.address, "--submission-id", job_id,
+                       "--working-dir", str(REPO), "--", *job], ray_head.env, 300)  # fmt: skip
+        if "No available agent to submit job" not in submit.stdout + submit.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
     assert submit.returncode == 0, submit.stdout[-4000:] + submit.stderr[-4000:]
     assert "summary:" in submit.stdout, submit.stdout[-4000:]
     status = _run([sys.executable, "-c", JOB_STATUS, ray_head.address, job_id], ray_head.env, 120)

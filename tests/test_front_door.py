@@ -352,16 +352,23 @@ def _client_closed_count(port: int) -> float:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_client_leaving_mid_body_is_one_quiet_line(served: dict[str, Any]) -> None:
-    """Answered (and counted) as 499 with one INFO line; no error, no traceback in any log."""
-    before = _client_closed_count(served["http"])
+    """Answered (and counted) as 499 with one INFO line, or cancelled by Serve's proxy when it
+    sees the hang-up first (a race on a loaded machine); no error, no traceback in any log."""
+    cancelled = "disconnected, cancelling request"  # Serve's proxy's line
+    before = _client_closed_count(served["http"]), len(_log_lines(served["logs"], cancelled))
     with socket.create_connection(("127.0.0.1", served["http"])) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 60000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000)
         time.sleep(1.0)
+
+    def ended() -> tuple[float, int]:
+        return _client_closed_count(served["http"]), len(_log_lines(served["logs"], cancelled))
+
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _client_closed_count(served["http"]) == before:
+    while time.monotonic() < deadline and ended() == before:
         time.sleep(0.5)
-    assert _client_closed_count(served["http"]) == before + 1
+    after = ended()
+    assert after[0] == before[0] + 1 or after[1] > before[1], (before, after)
     assert not _log_lines(served["logs"], "unexpected error serving")
     assert not _log_lines(served["logs"], "ClientDisconnect")
 

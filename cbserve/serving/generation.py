@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from cbserve.errors import InvalidRequestError, QueueFullError, RequestFault
+from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
 from cbserve.serving.chat_template import chat_token_ids
 from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbserve.serving.errors import error_event
@@ -173,6 +173,8 @@ def _last_event(out: Any, decoder: _Decoder) -> WorkerEvent:
         if isinstance(out.exception, RequestFault):  # its own arguments: the client is told which
             return error_event(400, out.exception.message, out.exception.field)
         logger.warning("request %s failed in the engine: %s", out.request_id, out.error)
+        if isinstance(out.exception, EngineFault):  # the replica is unhealthy now: another one can serve it
+            return error_event(503, f"{out.exception.public}; retry the request")
         return error_event(500, f"generation failed: {out.error or 'engine error'}")
     if status == "cancelled":
         return WorkerEvent(kind="end", finish_reason="abort", completion_tokens=decoder.num_tokens)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cbserve.errors import EngineFault
+
 logger = logging.getLogger(__name__)
 
 # How long ranks wait for each other at the monitored barrier after a failure.
@@ -48,8 +50,10 @@ def data_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineFault):
     """A rank died, hung, or could not be reached."""
+
+    public = "the tensor-parallel group of the replica serving this request failed"
 
 
 @dataclass
