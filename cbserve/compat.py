@@ -106,6 +106,3 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
         model.__dict__.pop(name, None)
     return model
 
-
-def is_attached(model: torch.nn.Module) -> bool:
-    return all(name in model.__dict__ for name in METHODS)

@@ -124,12 +124,6 @@ class OutputStore:
                     remaining = RECHECK_S if remaining is None else min(remaining, RECHECK_S)
                 self._cond.wait(remaining)
 
-    async def get_async(self, request_id: str, timeout: float | None = None) -> GenerationOutput | None:
-        """The next output of `request_id`, awaited without blocking the event loop; None
-        after `timeout` seconds."""
-        outputs = await self.get_all_async(request_id, timeout, limit=1)
-        return outputs[0] if outputs else None
-
     async def get_all_async(self, request_id: str, timeout: float | None = None,
                             limit: int | None = None) -> list[GenerationOutput]:
         """Every stored output of `request_id` (at most `limit`), oldest first, awaited until there

@@ -130,13 +130,10 @@ class Grammars:
                 self._compiler = StructuredOutputs(self._tokenizer, self._vocab_size, self._stop_ids, self._config)
             return self._compiler
 
-    def compile_now(self, constraint: Constraint) -> Any:
-        """The compiled grammar; raises InvalidRequestError naming the constraint's field, or
-        QueueFullError (an overload) when no compile thread comes free in time."""
-        return self._structured().compile(constraint.kind, constraint.spec, constraint.field)
-
     async def compile_in_thread(self, constraint: Constraint) -> Any:
-        """`compile_now` off the event loop (a large schema takes tens of milliseconds): the
-        compile runs on the compiler's own bounded threads, awaited without holding one here."""
+        """The compiled grammar, off the event loop (a large schema takes tens of milliseconds): the
+        compile runs on the compiler's own bounded threads, awaited without holding one here.
+        Raises InvalidRequestError naming the constraint's field, or QueueFullError (an overload)
+        when no compile thread comes free in time."""
         structured = self._compiler or await asyncio.to_thread(self._structured)
         return await structured.compile_async(constraint.kind, constraint.spec, constraint.field)
