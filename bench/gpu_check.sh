@@ -2,7 +2,7 @@
 # GPU checks for a CUDA machine (none exists where this was written; it has never run on one).
 #   1. the kernel tests compiled for the GPU (no Triton interpreter),
 #   2. the engine on the triton and flash backends with real decode and varlen CUDA graphs vs generate()
-#      (tests/test_backends.py), async batching on a real stream (tests/test_async_batching.py),
+#      (tests/kernels/test_attention_backends.py), async batching on a real stream (tests/workers/test_async_batching.py),
 #      then the test suite without the Ray tests,
 #   3. the throughput benchmark on every workload, on a random-weight model of Qwen3-0.6B's shape
 #      (the default model's file is not needed on the GPU machine).
@@ -48,8 +48,8 @@ step() {
     SUMMARY+=("$(printf '%-12s %-16s %4ds  %s' "$name" "$outcome" $((SECONDS - start)) "$(tail -n 1 "$log")")")
 }
 
-step kernels 90 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/test_kernels.py
-step backends 120 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/test_backends.py tests/test_async_batching.py
+step kernels 90 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/kernels/test_paged_attention.py
+step backends 120 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/kernels/test_attention_backends.py tests/workers/test_async_batching.py
 step tests 150 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -m "not ray" tests
 step throughput 90 "$PYTHON" bench/throughput.py --workload all --random-shape qwen3-0.6b --device cuda --requests 64
 

@@ -395,7 +395,7 @@ def run_served(args: argparse.Namespace, engines: list[str], folder: str, vllm_e
     return results
 
 
-# -- report (pure: tests/test_bench_peers.py) ------------------------------------------------------
+# -- report (pure: tests/bench/test_peers.py) ------------------------------------------------------
 
 
 def offline_summary(results: list[dict[str, Any]], agree_first: int) -> list[dict[str, Any]]:

@@ -191,8 +191,8 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 
 
 def smoke_model() -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from conftest_cluster import build_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.support.cluster import build_tiny_model
 
     folder = Path(os.environ.get("TMPDIR", "/tmp")) / "cbserve-bench-tiny-model"
     if not (folder / "config.json").exists():

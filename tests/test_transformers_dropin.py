@@ -12,7 +12,6 @@ import asyncio
 import functools
 import gc
 import queue
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -29,24 +28,14 @@ from cbserve.kernels import packed_linear
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.engine import EngineCore
-from tests.tiny_models import VOCAB, random_prompts, reference_generate, tiny_model
+from tests.support.manager import alarm_guard
+from tests.support.tiny_models import VOCAB, random_prompts, reference_generate, tiny_model
 
 TIMEOUT = 30.0
 ALARM_S = 120
 
 
-@pytest.fixture(autouse=True)
-def hang_guard() -> Iterator[None]:
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"test still running after {ALARM_S} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(ALARM_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+hang_guard = alarm_guard(ALARM_S)
 
 
 @functools.cache

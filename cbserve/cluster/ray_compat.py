@@ -18,7 +18,7 @@ What is private, and why it is used:
   `_probe_queue_lens`), and the matching of a routed replica to its pending request
   (`_fulfill_next_pending_request` and the pending-request bookkeeping it touches).
 
-`PRIVATE_MEMBERS` lists them; `tests/test_ray_compat.py` checks that each exists in the installed
+`PRIVATE_MEMBERS` lists them; `tests/cluster/test_ray_compat.py` checks that each exists in the installed
 Ray, and `pyproject.toml` pins the Ray versions that test passed on.
 """
 

@@ -16,7 +16,7 @@ The order of the copies matters on an accelerator, where they are asynchronous:
 
 The copies go through a `copies` object: `CudaCopies` (non-blocking copies, an event as
 fence), `SyncCopies` on a CPU, or a test's stand-in whose device-to-host copies land only when
-the fence is waited on, as a DMA engine's may (tests/test_kv_memory.py: without the fence the
+the fence is waited on, as a DMA engine's may (tests/workers/test_kv_memory.py: without the fence the
 pool would hold stale pages, and the test fails).
 """
 
