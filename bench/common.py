@@ -1,13 +1,15 @@
-"""What the offline benches share: the workloads (token-id prompts and output lengths) and the
-greedy-token comparisons. Standard library only, so that a peer engine's own venv (vLLM's, for
+"""What the benches share: the workloads (token-id prompts and output lengths), the greedy-token
+comparisons, the machine's load average and a log's tail. Standard library only, so that a peer engine's own venv (vLLM's, for
 bench/peers.py) imports it too.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 WORKLOADS = ("mixed", "decode", "long", "shared")
 SHARED_PREFIX_TOKENS = 512  # the "shared" workload's system prompt
@@ -88,3 +90,19 @@ def median(values: list[float]) -> float | None:
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, None when either is missing or b is 0."""
     return None if a is None or not b else a / b
+
+
+def loadavg() -> tuple[float, float, float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a log file, for an error message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -58,6 +58,9 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # bench/common.py, found through the path above
 
 TARGETS = ("cbserve", "transformers", "url")
 # Level k sends requests k*LEVEL_STRIDE, k*LEVEL_STRIDE+1, ...: the same ones on every target, and
@@ -333,7 +336,7 @@ async def run_level(
     results: list[Result] = []
     started = 0
     in_flight: dict[int, Result] = {}
-    load_before = _loadavg()
+    load_before = common.loadavg()
     t0 = time.perf_counter()
     deadline = t0 + duration
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
@@ -362,14 +365,7 @@ async def run_level(
             res.output_tokens = len(res.chunk_times)
             results.append(res)
     end = max((r.end for r in results), default=time.perf_counter())
-    return LevelRun(concurrency, started, results, end - t0, load_before, _loadavg())
-
-
-def _loadavg() -> tuple[float, float, float] | None:
-    try:
-        return os.getloadavg()
-    except OSError:
-        return None
+    return LevelRun(concurrency, started, results, end - t0, load_before, common.loadavg())
 
 
 # -- statistics --------------------------------------------------------------------------------
@@ -499,14 +495,12 @@ def start_cbserve(stack: contextlib.ExitStack, model: str | None, cpus: int, eng
 def transformers_model_folder(model: str | None) -> str:
     """A folder `transformers serve` loads offline: `model` itself, or the dequantized cache of the
     default model / of a GGUF file (built by cbserve's loader when missing)."""
-    from cbserve import models
+    from cbserve.models import checkpoint_folder
 
-    gguf = models._resolve_gguf(model)
-    if gguf is None:
-        if model is None or not Path(model).is_dir():
-            raise TargetUnavailable(f"--model {model!r} is not a folder; transformers serve is given a path")
-        return str(Path(model).resolve())
-    return str(models._cached_gguf_folder(*gguf))
+    try:
+        return str(checkpoint_folder(model).resolve())
+    except OSError as exc:
+        raise TargetUnavailable(f"--model {model!r}: {exc}") from exc
 
 
 def start_transformers(stack: contextlib.ExitStack, model: str | None, threads: int,
@@ -536,7 +530,7 @@ def start_transformers(stack: contextlib.ExitStack, model: str | None, threads: 
         if proc.poll() is not None:
             raise TargetUnavailable(
                 f"`{' '.join(cmd)}` exited with code {proc.returncode} before it served /health; "
-                f"log tail:\n{_tail(log_path)}"
+                f"log tail:\n{common.log_tail(log_path)}"
             )
         try:
             with urllib.request.urlopen(base + "/health", timeout=2) as r:
@@ -546,7 +540,7 @@ def start_transformers(stack: contextlib.ExitStack, model: str | None, threads: 
             pass
         if time.perf_counter() - t0 > start_timeout:
             raise TargetUnavailable(f"`transformers serve` did not answer /health within {start_timeout:g} s; "
-                                    f"log tail:\n{_tail(log_path)}")
+                                    f"log tail:\n{common.log_tail(log_path)}")
         time.sleep(0.5)
     info = {"startup_s": time.perf_counter() - t0, "command": cmd, "omp_num_threads": threads,
             "log": str(log_path)}
@@ -565,13 +559,6 @@ def stop_process(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def url_target(url: str, model: str | None, api_key: str | None) -> Target:
@@ -672,7 +659,7 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load": _loadavg()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load": common.loadavg()}
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -760,7 +747,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         for name in args.targets:
             with contextlib.ExitStack() as stack:
-                print(f"\n== {name}: starting (load average {_loadavg()}) ...", flush=True)
+                print(f"\n== {name}: starting (load average {common.loadavg()}) ...", flush=True)
                 try:
                     if name == "cbserve":
                         target = start_cbserve(stack, args.model, args.cpus, args.engine_cfg)
@@ -784,7 +771,7 @@ def _main(args: argparse.Namespace) -> int:
                       + (f", errors: {failed}" if failed else ""), flush=True)
                 reports[name] = []
                 for level, conc in enumerate(args.levels):
-                    print(f"{name}: {conc} clients ... (load average {_loadavg()})", flush=True)
+                    print(f"{name}: {conc} clients ... (load average {common.loadavg()})", flush=True)
                     run = asyncio.run(run_level(target, workload, sampling, conc, args.requests, args.duration,
                                                 args.request_timeout, args.drain_timeout,
                                                 first_index=level * LEVEL_STRIDE))
@@ -806,7 +793,7 @@ def _main(args: argparse.Namespace) -> int:
         print(format_ratios(rows))
     for name, why in unavailable.items():
         print(f"\n{name} was not run: {why}")
-    print(f"\nload average at the end: {_loadavg()}")
+    print(f"\nload average at the end: {common.loadavg()}")
     if args.json:
         args.json.write_text(json.dumps({
             "machine": info, "args": {k: v for k, v in vars(args).items() if k != "json"},

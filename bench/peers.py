@@ -125,14 +125,8 @@ def run_child(python: Path, job: dict[str, Any], env: dict[str, str], log: Path,
             done = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
                                   check=False, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
         if done.returncode or not out_path.exists():
-            raise RuntimeError(f"{job['engine']} exited with {done.returncode}; log {log}:\n{_tail(log)}")
+            raise RuntimeError(f"{job['engine']} exited with {done.returncode}; log {log}:\n{common.log_tail(log, 20)}")
         return json.loads(out_path.read_text())
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return "(no log)"
 
 
 def worker_main(job_path: Path, out_path: Path) -> int:

@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import load  # bench/load.py: the SSE client, percentiles, load averages
+import common  # bench/common.py: load averages, log tails
+import load  # bench/load.py: the SSE client, percentiles
 
 DEFAULT_CONFIG = ROOT / "ray_config.yaml"
 
@@ -106,11 +107,11 @@ def start_engine(cfg: Any, threads: int, num_pages: int | None = None) -> tuple[
     from transformers import GenerationConfig
 
     import cbserve
-    from cbserve.cluster.engine_replica import _eos_ids, engine_config
+    from cbserve.cluster.engine_replica import engine_config, eos_ids
 
     torch.set_num_threads(threads)
     model, tokenizer = cbserve.load_model(cfg.model, dtype=cfg.dtype)
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     manager = cbserve.init_continuous_batching(
         model, generation_config=GenerationConfig(max_new_tokens=cfg.generation.max_tokens, eos_token_id=eos),
         continuous_batching_config=cbserve.ContinuousBatchingConfig(
@@ -191,12 +192,12 @@ def wait_until_ready(proc: subprocess.Popen, base: str, timeout: float, log: Pat
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; log tail:\n{load._tail(log)}")
+            raise RuntimeError(f"the server exited with {proc.returncode}; log tail:\n{common.log_tail(log)}")
         with contextlib.suppress(OSError), urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
             if r.status == 200:
                 return
         time.sleep(1.0)
-    raise RuntimeError(f"the server did not answer within {timeout:g} s; log tail:\n{load._tail(log)}")
+    raise RuntimeError(f"the server did not answer within {timeout:g} s; log tail:\n{common.log_tail(log)}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -452,7 +453,7 @@ def _engine_share(before: Any, after: Any, wall: float) -> dict[str, Any]:
 
 
 def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: Any) -> dict[str, Any]:
-    before = load._loadavg()
+    before = common.loadavg()
     print(f"  {name:<6} {level:>3} clients ... (load average {before})", flush=True)
     cpu0, steps0 = (own_cpu_s(), tree_cpu(server)), counters()
     records, wall = asyncio.run(coroutine)
@@ -514,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"concurrency": level, "engine": eng, "http": http, "checks": checks(level, eng, http)})
     print()
     print(format_report(rows))
-    print(f"\nload average at the end: {load._loadavg()}")
+    print(f"\nload average at the end: {common.loadavg()}")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                                          "levels": rows}, indent=2, default=str))

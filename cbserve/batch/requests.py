@@ -11,9 +11,9 @@ from cbserve.batch.schema import BatchLine, ResultLine, TopToken, Usage, describ
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.constraints import requested
 from cbserve.serving.errors import front_message
-from cbserve.serving.protocol import PromptInfo, SamplingOptions, TopEntry, WorkerEvent, WorkerRequest
+from cbserve.serving.protocol import PromptInfo, Sampling, TopEntry, WorkerEvent, WorkerRequest
 from cbserve.serving.replies import ChoiceResult
-from cbserve.serving.requests import logit_bias, routing_hashes, worker_request
+from cbserve.serving.requests import logit_bias, routing_hashes, sampling, worker_request
 from cbserve.serving.settings import GenerationDefaults, RoutingConfig
 
 
@@ -52,29 +52,24 @@ def to_worker_request(
         hashes = routing_hashes(defaults.routing, line.prompt or "")
     return worker_request(
         request_id,
-        defaults.generation,
         hashes,
+        _sampling(line, defaults),
         max_tokens=line.max_tokens if line.max_tokens is not None else defaults.max_tokens,
-        temperature=line.temperature if line.temperature is not None else defaults.temperature,
-        top_p=line.top_p,
-        top_k=line.top_k,
-        seed=line.seed,
         stop=line.stop_list(),
         logprobs=line.logprobs,
-        top_logprobs=line.top_logprobs or 0,
-        prompt_logprobs=line.prompt_logprobs,
-        options=_options(line),
         constraint=requested(line),
         **prompt,  # type: ignore[arg-type]
     )
 
 
-def _options(line: BatchLine) -> SamplingOptions:
-    return SamplingOptions(
-        min_p=line.min_p, repetition_penalty=line.repetition_penalty, presence_penalty=line.presence_penalty,
+def _sampling(line: BatchLine, defaults: RequestDefaults) -> Sampling:
+    return sampling(
+        defaults.generation, temperature=line.temperature if line.temperature is not None else defaults.temperature,
+        top_p=line.top_p, top_k=line.top_k, seed=line.seed, min_p=line.min_p,
+        repetition_penalty=line.repetition_penalty, presence_penalty=line.presence_penalty,
         frequency_penalty=line.frequency_penalty, logit_bias=logit_bias(line.logit_bias), min_tokens=line.min_tokens,
-        ignore_eos=line.ignore_eos or None, stop_token_ids=line.stop_token_ids, cache_salt=line.cache_salt,
-        priority=line.priority or None,
+        ignore_eos=line.ignore_eos or None, stop_token_ids=line.stop_token_ids, top_logprobs=line.top_logprobs or None,
+        prompt_logprobs=line.prompt_logprobs, cache_salt=line.cache_salt, priority=line.priority or None,
     )
 
 

@@ -43,7 +43,7 @@ STOPPING = f"the server is stopping: {ABORTED}"
 TEARDOWN_SHARE_STOP = 0.5  # of teardown_timeout_s for the manager's last requests; the rest reaps TP ranks
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
+def eos_ids(model: Any, tokenizer: Any) -> int | list[int] | None:
     gen_cfg = getattr(model, "generation_config", None)
     eos = getattr(gen_cfg, "eos_token_id", None)
     return eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
@@ -116,7 +116,7 @@ class EngineReplica:
         model, self.tokenizer = load_on_device(self.args.model, self.args.dtype, 0, self.args.tp_size)
         if self.ranks is not None:
             self.ranks.join()
-        eos = _eos_ids(model, self.tokenizer)
+        eos = eos_ids(model, self.tokenizer)
         self.manager = cbserve.init_continuous_batching(
             model,
             generation_config=GenerationConfig(max_new_tokens=self.args.generation.max_tokens, eos_token_id=eos),

@@ -1,6 +1,6 @@
 """One request on an engine replica: tokenize, submit to the manager, stream `WorkerEvent`s.
 
-Kept apart from the Serve deployment so it can be tested with any manager-like object. The
+Kept apart from the Serve deployment so it can be tested with any `Manager` (the protocol below). The
 request's values are checked by the engine when it is submitted; a refusal is streamed back as
 one `error` event carrying the `InvalidRequestError`'s field.
 """
@@ -13,17 +13,32 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
+from cbserve.outputs import GenerationOutput
 from cbserve.serving.chat_template import chat_token_ids
 from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from cbserve.serving.errors import error_event
 from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
 
 logger = logging.getLogger(__name__)
+
+
+class Manager(Protocol):
+    """What a replica's request path uses of its manager (`cbserve.ContinuousBatchingManager`)."""
+
+    def add_request(self, input_ids: Sequence[int], *, request_id: str, max_new_tokens: int, streaming: bool,
+                    eos_token_id: int | list[int] | None, **sampling: Any) -> str:
+        """Validate and queue a request; raises InvalidRequestError, QueueFullError or RuntimeError."""
+
+    def async_request_batches(self, request_id: str) -> AsyncIterator[list[GenerationOutput]]:
+        """The request's outputs, every one ready at once, the final one last."""
+
+    def cancel_request(self, request_id: str) -> None:
+        """Stop the request at the next step and free its pages."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,7 @@ def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
     return min(info.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
 
 
-def submit(manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
+def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
            grammar: Any = None) -> tuple[list[int], str]:
     """Queue the request in the manager; returns (prompt token ids, request id). Raises
     InvalidRequestError for a refused request, QueueFullError when the engine's waiting queue is
@@ -77,14 +92,8 @@ def submit(manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
         max_new_tokens=max_new_tokens(req, len(prompt_ids), info),
         streaming=True,
         eos_token_id=info.eos_token_id,
-        temperature=req.temperature,
-        top_k=req.top_k,  # explicit: the generation config's defaults must not apply
-        top_p=req.top_p,
-        seed=req.seed,
-        top_logprobs=req.top_logprobs or None,
-        prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
-        **req.options.engine_kwargs(),
+        **req.sampling.engine_kwargs(),
     )
     return prompt_ids, rid
 
@@ -99,13 +108,13 @@ def top_entries(tokenizer: Any, pairs: list[tuple[int, float]]) -> list[TopEntry
     return [(t, token_text(tokenizer, t), lp) for t, lp in pairs]
 
 
-def prompt_info(tokenizer: Any, req: WorkerRequest, prompt_ids: list[int], out: Any) -> PromptInfo:
+def prompt_info(tokenizer: Any, req: WorkerRequest, prompt_ids: list[int], out: GenerationOutput) -> PromptInfo:
     """What the request asked to get back of its prompt (`echo`, `prompt_logprobs`)."""
     info = PromptInfo(token_ids=list(prompt_ids), token_texts=[token_text(tokenizer, t) for t in prompt_ids])
     if req.echo:
         info.text = req.prompt if req.prompt is not None else tokenizer.decode(
             prompt_ids, skip_special_tokens=req.skip_special_tokens)
-    if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+    if req.sampling.prompt_logprobs is not None and out.prompt_logprobs is not None:
         info.logprobs = list(out.prompt_logprobs)
         info.top_logprobs = [top_entries(tokenizer, pairs) for pairs in out.prompt_top_logprobs or []]
     return info
@@ -122,7 +131,7 @@ class _Decoder:
         self._logprobs = req.logprobs
         self.keeps_tokens = req.max_tokens != 0  # max_tokens 0: the one token run is dropped
         # The prompt goes back on the first delta, when asked for (echo, prompt logprobs).
-        wants_prompt = prompt_ids is not None and (req.echo or req.prompt_logprobs is not None)
+        wants_prompt = prompt_ids is not None and (req.echo or req.sampling.prompt_logprobs is not None)
         self._prompt_ids = prompt_ids if wants_prompt else None
 
     @property
@@ -133,16 +142,16 @@ class _Decoder:
     def num_tokens(self) -> int:
         return len(self._detok.ids)
 
-    def _prompt(self, out: Any) -> PromptInfo | None:
+    def _prompt(self, out: GenerationOutput) -> PromptInfo | None:
         """The prompt's info, once: when the prefill has given its logprobs (if asked)."""
         if self._prompt_ids is None:
             return None
-        if self._req.prompt_logprobs is not None and not out.new_tokens and not out.is_finished():
+        if self._req.sampling.prompt_logprobs is not None and not out.new_tokens and not out.is_finished():
             return None  # still prefilling
         info, self._prompt_ids = prompt_info(self._tokenizer, self._req, self._prompt_ids, out), None
         return info
 
-    def delta(self, out: Any) -> WorkerEvent | None:
+    def delta(self, out: GenerationOutput) -> WorkerEvent | None:
         """The `delta` event of one output (None when it adds neither tokens, text nor prompt)."""
         prompt = self._prompt(out)
         new = list(out.new_tokens) if self.keeps_tokens else []
@@ -153,7 +162,7 @@ class _Decoder:
         if not (new or text or prompt):
             return None
         top = None
-        if self._logprobs and self._req.top_logprobs and new:
+        if self._logprobs and self._req.sampling.top_logprobs and new:
             top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(new):]]
         return WorkerEvent(
             kind="delta",
@@ -166,7 +175,7 @@ class _Decoder:
         )
 
 
-def _last_event(out: Any, decoder: _Decoder) -> WorkerEvent:
+def _last_event(out: GenerationOutput, decoder: _Decoder) -> WorkerEvent:
     """The `end` (or `error`) event of a request's final output."""
     status = getattr(out.status, "value", out.status)
     if status == "failed":
@@ -196,7 +205,7 @@ async def _closing(stream: Any) -> AsyncIterator[Any]:
             await aclose()
 
 
-def merge_outputs(batch: list[Any]) -> Any:
+def merge_outputs(batch: list[GenerationOutput]) -> GenerationOutput:
     """One output standing for a request's consecutive outputs: the last one, carrying the new
     tokens of them all (its token, logprob and prompt lists are cumulative already)."""
     if len(batch) == 1:
@@ -204,26 +213,13 @@ def merge_outputs(batch: list[Any]) -> Any:
     return dataclasses.replace(batch[-1], new_tokens=[t for out in batch for t in out.new_tokens])
 
 
-async def _output_batches(manager: Any, rid: str) -> AsyncIterator[list[Any]]:
-    """The request's outputs, every one ready at once (`async_request_batches`) where the manager
-    has it, else one by one."""
-    if hasattr(manager, "async_request_batches"):
-        async with _closing(manager.async_request_batches(rid)) as batches:
-            async for batch in batches:
-                yield batch
-        return
-    async with _closing(manager.async_request_iter(rid)) as outputs:
-        async for out in outputs:
-            yield [out]
-
-
-async def _stream(manager: Any, rid: str, decoder: _Decoder, interval_s: float = 0.0) -> AsyncIterator[WorkerEvent]:
+async def _stream(manager: Manager, rid: str, decoder: _Decoder, interval_s: float = 0.0) -> AsyncIterator[WorkerEvent]:
     """The `delta`s and the last event of a submitted request, one delta for every output ready
     when the previous one went (so at most one per engine step), and at most one every
     `interval_s` after the first; cancels the request if abandoned."""
     finished = False
     try:
-        async with _closing(_output_batches(manager, rid)) as batches:
+        async with _closing(manager.async_request_batches(rid)) as batches:
             async for batch in batches:
                 out = merge_outputs(batch)
                 ev = decoder.delta(out)
@@ -248,7 +244,7 @@ async def _stream(manager: Any, rid: str, decoder: _Decoder, interval_s: float =
 
 
 async def run_request(
-    manager: Any, tokenizer: Any, info: ModelInfo, req: WorkerRequest, replica: str, interval_s: float = 0.0
+    manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest, replica: str, interval_s: float = 0.0
 ) -> AsyncIterator[WorkerEvent]:
     """Yield `start`, `delta`s and one `end` (or a single `error`) for one request; a delta carries
     every token generated since the previous one (`_stream`: `interval_s` paces them).

@@ -11,9 +11,10 @@ import grpc
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.errors import APIError, front_message
-from cbserve.serving.protocol import Constraint, SamplingOptions, TopEntry, WorkerRequest
+from cbserve.serving.protocol import Constraint, Sampling, TopEntry, WorkerRequest
 from cbserve.serving.replies import ChoiceResult, ChoiceStream, Piece, pieces
-from cbserve.serving.requests import check_limits, routing_hashes, worker_request
+from cbserve.serving.requests import check_limits, routing_hashes, sampling, worker_request
+from cbserve.serving.settings import GenerationDefaults
 
 SERVICE = "cbserve.generate.GenerateService"
 
@@ -25,9 +26,11 @@ _STATUS = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-_OPTIONS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "cache_salt")
-_SAMPLING = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "logit_bias", "ignore_eos",
-             "stop_token_ids", "top_logprobs", "prompt_logprobs", *_OPTIONS}
+# The `SamplingParams` fields with presence (`optional` in the proto), carried when set.
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_tokens", "prompt_logprobs", "cache_salt")
+_SAMPLING = {"max_tokens", "stop", "logprobs", "logit_bias", "ignore_eos", "stop_token_ids", "top_logprobs",
+             *_OPTIONAL}
 
 
 class GrpcAbort(Exception):
@@ -121,27 +124,21 @@ def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
     prompt: dict[str, Any] = {"prompt": msg.prompt} if which == "prompt" else {"prompt_ids": list(msg.token_ids.ids)}
     return worker_request(
         f"grpc-{uuid.uuid4().hex}",
-        args.generation,
         routing_hashes(args.routing, msg.prompt if which == "prompt" else prompt["prompt_ids"]),
+        _sampling(s, args.generation),
         max_tokens=max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        seed=s.seed if s.HasField("seed") else None,
         stop=list(s.stop),
         logprobs=s.logprobs,
-        options=_options(s),
         constraint=_constraint(msg),
-        top_logprobs=s.top_logprobs,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         **prompt,
     )
 
 
-def _options(s: Any) -> SamplingOptions:
-    fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONS if s.HasField(name)}
-    return SamplingOptions(logit_bias=dict(s.logit_bias) or None, ignore_eos=s.ignore_eos or None,
-                           stop_token_ids=list(s.stop_token_ids) or None, **fields)
+def _sampling(s: Any, gen: GenerationDefaults) -> Sampling:
+    """The message's `SamplingParams` as the sampling block (a field it does not set: None)."""
+    fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
+    return sampling(gen, logit_bias=dict(s.logit_bias) or None, ignore_eos=s.ignore_eos or None,
+                    stop_token_ids=list(s.stop_token_ids) or None, top_logprobs=s.top_logprobs or None, **fields)
 
 
 def _constraint(msg: Any) -> Constraint | None:

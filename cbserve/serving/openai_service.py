@@ -22,7 +22,7 @@ from cbserve.serving.chat_template import template_messages
 from cbserve.serving.constraints import requested, tool_choice_mode, tool_constraint
 from cbserve.serving.errors import APIError, openai_error
 from cbserve.serving.metrics import ServingMetrics
-from cbserve.serving.protocol import Constraint, SamplingOptions, WorkerRequest
+from cbserve.serving.protocol import Constraint, Sampling, WorkerRequest
 from cbserve.serving.replies import (
     ChoiceResult,
     ChoiceStream,
@@ -34,7 +34,14 @@ from cbserve.serving.replies import (
     usage,
     worker_failure,
 )
-from cbserve.serving.requests import check_limits, logit_bias, routing_hashes, user_tenant, worker_request
+from cbserve.serving.requests import (
+    check_limits,
+    logit_bias,
+    routing_hashes,
+    sampling,
+    user_tenant,
+    worker_request,
+)
 from cbserve.serving.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -133,26 +140,28 @@ class OpenAIService:
         self.check_model(req.model)
         check_limits(self.args.limits, max_tokens, req.n, num_prompts, req.stop_list())
 
-    @staticmethod
-    def _options(req: SamplingFields, rid: str) -> SamplingOptions:
-        """The engine options; `rid` (the API call's id) is every choice's parent request."""
-        return SamplingOptions(
-            priority=req.priority or None, tenant=user_tenant(req.user), parent_id=rid,
-            min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias),
-            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids,
-            cache_salt=req.cache_salt,
+    def _sampling(self, req: SamplingFields, rid: str, top_logprobs: int | None,
+                  prompt_logprobs: int | None) -> Sampling:
+        """The call's sampling block; `rid` (the API call's id) is every choice's parent request."""
+        return sampling(
+            self.args.generation, temperature=req.temperature, top_p=req.top_p,
+            top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids, top_logprobs=top_logprobs or None,
+            prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt, priority=req.priority or None,
+            tenant=user_tenant(req.user), parent_id=rid,
         )
 
-    def _worker_request(self, req: SamplingFields, rid: str, choice: int, max_tokens: int | None,
-                        hashes: list[int], fields: dict[str, Any]) -> WorkerRequest:
-        """One choice; `fields`: its prompt and the request's other worker fields."""
-        return worker_request(
-            rid, self.args.generation, hashes, max_tokens=max_tokens, temperature=req.temperature,
-            top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0),
-            seed=None if req.seed is None else req.seed + choice, stop=req.stop_list(),
-            skip_special_tokens=req.skip_special_tokens, **fields,
-        )
+    @staticmethod
+    def _choice(req: SamplingFields, rid: str, choice: int, block: Sampling, max_tokens: int | None,
+                hashes: list[int], fields: dict[str, Any]) -> WorkerRequest:
+        """One choice (its own seed: the call's + its index); `fields`: its prompt and the
+        request's other worker fields."""
+        if block.seed is not None:
+            block = block.model_copy(update={"seed": block.seed + choice})
+        return worker_request(rid, hashes, block, max_tokens=max_tokens, stop=req.stop_list(),
+                              skip_special_tokens=req.skip_special_tokens, **fields)
 
     def completion_requests(self, req: CompletionRequest, rid: str) -> list[WorkerRequest]:
         prompts = req.prompts()
@@ -162,14 +171,13 @@ class OpenAIService:
                 raise InvalidRequestError(name, f"{name} is not supported by this server")
         echo_k = req.logprobs if req.echo else None
         wanted = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
-        fields: dict[str, Any] = {
-            "options": self._options(req, rid), "constraint": requested(req), "logprobs": req.logprobs is not None,
-            "top_logprobs": req.logprobs or 0, "echo": req.echo, "prompt_logprobs": max(wanted) if wanted else None}
+        block = self._sampling(req, rid, req.logprobs, max(wanted) if wanted else None)
+        fields: dict[str, Any] = {"constraint": requested(req), "logprobs": req.logprobs is not None, "echo": req.echo}
         out = []
         for p_idx, prompt in enumerate(prompts):
             form = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
             hashes = routing_hashes(self.args.routing, prompt)
-            out += [self._worker_request(req, f"{rid}-{p_idx}-{c}", c, req.max_tokens, hashes, {**fields, **form})
+            out += [self._choice(req, f"{rid}-{p_idx}-{c}", c, block, req.max_tokens, hashes, {**fields, **form})
                     for c in range(req.n)]
         return out
 
@@ -189,11 +197,11 @@ class OpenAIService:
             raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with stream on chat completions")
         messages = template_messages(req.messages)
         hashes = routing_hashes(self.args.routing, messages=messages)
+        block = self._sampling(req, rid, req.top_logprobs, req.prompt_logprobs)
         fields: dict[str, Any] = {
-            "messages": messages, "options": self._options(req, rid), "constraint": self._chat_constraint(req, mode),
-            "logprobs": req.logprobs, "top_logprobs": req.top_logprobs or 0, "prompt_logprobs": req.prompt_logprobs,
+            "messages": messages, "constraint": self._chat_constraint(req, mode), "logprobs": req.logprobs,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None}
-        return [self._worker_request(req, f"{rid}-{c}", c, max_tokens, hashes, fields) for c in range(req.n)]
+        return [self._choice(req, f"{rid}-{c}", c, block, max_tokens, hashes, fields) for c in range(req.n)]
 
     # -- running choices ------------------------------------------------------------------------
 

@@ -16,12 +16,19 @@ TopEntry = tuple[int, str, float]
 ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 
 
-class SamplingOptions(BaseModel):
-    """The engine's per-request options beyond temperature / top_p / top_k / seed
-    (`cbserve.workers.validation.OPTIONS`, vLLM's semantics); None leaves one off."""
+class Sampling(BaseModel):
+    """One choice's sampling, built once by its front and carried as is to the manager: each field
+    is an `add_request` keyword (`cbserve.workers.validation`: SAMPLING_FIELDS, OPTIONS,
+    SCHEDULING_FIELDS, cache_salt), checked there, with vLLM's semantics. temperature, top_p and
+    top_k are always sent (the front's defaults: the model's generation config must not apply);
+    any other field left None is left off."""
 
     model_config = ConfigDict(extra="forbid")
 
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -30,6 +37,8 @@ class SamplingOptions(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    top_logprobs: int | None = Field(None, description="most likely tokens reported with each generated one")
+    prompt_logprobs: int | None = Field(None, description="None: none; k: each prompt token's and k top ones")
     cache_salt: str | None = None  # vLLM's: prefix pages shared only among requests of one salt
     # The engine's fair share (cbserve/scheduler/fair_share.py): vLLM's priority (lower runs first);
     # the tenant and the parent request (one API call) are set by the server, never by a client.
@@ -38,6 +47,7 @@ class SamplingOptions(BaseModel):
     parent_id: str | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
+        """`add_request`'s sampling keywords."""
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
@@ -53,6 +63,8 @@ class Constraint(BaseModel):
 class WorkerRequest(BaseModel):
     """One generation (one choice): exactly one of `prompt`, `messages`, `prompt_ids`."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a default
+
     request_id: str
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -60,16 +72,10 @@ class WorkerRequest(BaseModel):
     tools: list[dict[str, Any]] | None = Field(None, description="function tools, for the chat template")
     max_tokens: int | None = Field(None, description="None: the deployment default, capped by context; "
                                                      "0: no generated token (echo / prompt logprobs)")
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
     stop: list[str] = Field(default_factory=list)
-    options: SamplingOptions = Field(default_factory=SamplingOptions)
     constraint: Constraint | None = None
     logprobs: bool = False
-    top_logprobs: int = Field(0, description="most likely tokens reported with each generated one")
-    prompt_logprobs: int | None = Field(None, description="None: none; k: each prompt token's and k top ones")
     echo: bool = Field(False, description="send the prompt's text (and tokens) back before the output")
     skip_special_tokens: bool = True
     prefix_hashes: list[int] = Field(default_factory=list, description="read by the request router")

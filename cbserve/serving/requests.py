@@ -13,7 +13,7 @@ from typing import Any
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.prefix import chat_routing_text, prefix_hashes
-from cbserve.serving.protocol import SamplingOptions, WorkerRequest
+from cbserve.serving.protocol import Sampling, WorkerRequest
 from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig
 
 
@@ -61,7 +61,7 @@ def with_call_tenant(wreq: WorkerRequest) -> WorkerRequest:
     tenant = _CALL_TENANT.get()
     if tenant is None:
         return wreq
-    return wreq.model_copy(update={"options": wreq.options.model_copy(update={"tenant": tenant})})
+    return wreq.model_copy(update={"sampling": wreq.sampling.model_copy(update={"tenant": tenant})})
 
 
 def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = None,
@@ -74,52 +74,28 @@ def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = 
     return prefix_hashes(key, chunk, routing.max_chunks)
 
 
-def worker_request(
-    request_id: str,
-    gen: GenerationDefaults,
-    hashes: list[int],
-    *,
-    prompt: str | None = None,
-    messages: list[dict[str, Any]] | None = None,
-    prompt_ids: list[int] | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    logprobs: bool = False,
-    options: SamplingOptions | None = None,
-    **fields: Any,
-) -> WorkerRequest:
-    """One choice; sampling fields left None take the deployment's generation defaults. An empty
-    text prompt is refused here, for every front (a tokenizer may turn it into a BOS token alone).
-    `fields`: the other `WorkerRequest` fields (constraint, tools, top_logprobs, echo, ...)."""
+def sampling(gen: GenerationDefaults, temperature: float | None = None, top_p: float | None = None,
+             top_k: int | None = None, **fields: Any) -> Sampling:
+    """A request's sampling block: temperature, top_p and top_k left None take the deployment's
+    generation defaults; `fields`: the block's other fields (seed, penalties, priority, ...)."""
+    return Sampling(temperature=gen.temperature if temperature is None else temperature,
+                    top_p=gen.top_p if top_p is None else top_p, top_k=gen.top_k if top_k is None else top_k,
+                    **fields)
+
+
+def worker_request(request_id: str, hashes: list[int], sampling: Sampling, *, prompt: str | None = None,
+                   max_tokens: int | None = None, stop: Sequence[str] = (), **fields: Any) -> WorkerRequest:
+    """One choice, its `sampling` block as is. An empty text prompt is refused here, for every
+    front (a tokenizer may turn it into a BOS token alone). `fields`: the other `WorkerRequest`
+    fields (messages or prompt_ids, constraint, tools, logprobs, echo, ...)."""
     if prompt is not None and not prompt:
         raise InvalidRequestError("prompt", "prompt must not be empty")
-    if max_tokens == 0 and not (fields.get("echo") or fields.get("prompt_logprobs") is not None):
+    if max_tokens == 0 and not (fields.get("echo") or sampling.prompt_logprobs is not None):
         raise InvalidRequestError("max_tokens", "max_tokens: 0 only with echo or prompt_logprobs")
-    return WorkerRequest(
-        request_id=request_id,
-        prompt=prompt,
-        messages=messages,
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=gen.temperature if temperature is None else temperature,
-        top_p=gen.top_p if top_p is None else top_p,
-        top_k=gen.top_k if top_k is None else top_k,
-        seed=seed,
-        stop=list(stop),
-        logprobs=logprobs,
-        options=_own_parent(options or SamplingOptions(), request_id),
-        prefix_hashes=hashes,
-        **fields,
-    )
-
-
-def _own_parent(options: SamplingOptions, request_id: str) -> SamplingOptions:
-    """A request that is no API call's choice (gRPC, a batch line) is a parent request of its own."""
-    return options if options.parent_id is not None else options.model_copy(update={"parent_id": request_id})
+    if sampling.parent_id is None:  # a request that is no API call's choice (gRPC, a batch line) is its own parent
+        sampling = sampling.model_copy(update={"parent_id": request_id})
+    return WorkerRequest(request_id=request_id, prompt=prompt, max_tokens=max_tokens, stop=list(stop),
+                         sampling=sampling, prefix_hashes=hashes, **fields)
 
 
 # A token id as a JSON key: ASCII digits only (str.isdigit() also takes "²" and "٣", which int()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cbserve.cluster.settings import ClusterArgs
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import Sampling, WorkerRequest
 from tests.support.cluster import tiny_model_dir
 
 PAGE = 16
@@ -50,7 +50,7 @@ def _engine(ray: Any, args: dict[str, Any]) -> Any:
 
 
 def _run(ray: Any, engine: Any, ids: list[int], rid: str) -> list[int]:
-    req = WorkerRequest(request_id=rid, prompt_ids=ids, max_tokens=6, temperature=0.0)
+    req = WorkerRequest(request_id=rid, prompt_ids=ids, max_tokens=6, sampling=Sampling(temperature=0.0))
     result = ray.get(engine.run.remote(req))
     assert result.error is None, result.error
     return result.token_ids

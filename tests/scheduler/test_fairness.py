@@ -225,18 +225,18 @@ def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tena
     service = OpenAIService(ClusterArgs(), open_choice=None)
     wreqs = service.completion_requests(CompletionRequest(prompt=["a", "b"], n=3, priority=-2, user="alice"), "cmpl-1")
     assert len(wreqs) == 6
-    assert {(w.options.parent_id, w.options.priority, w.options.tenant) for w in wreqs} == {
+    assert {(w.sampling.parent_id, w.sampling.priority, w.sampling.tenant) for w in wreqs} == {
         ("cmpl-1", -2, user_tenant("alice"))}
     assert "alice" not in user_tenant("alice")
     chat = service.chat_requests(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=2), "chat-1")
-    assert {(w.options.parent_id, w.options.priority, w.options.tenant) for w in chat} == {("chat-1", None, None)}
+    assert {(w.sampling.parent_id, w.sampling.priority, w.sampling.tenant) for w in chat} == {("chat-1", None, None)}
     with pytest.raises(ValueError, match="priority"):
         CompletionRequest(prompt="a", priority=2**63)
     # A request that is no API call's choice (gRPC, a batch line) is a parent of its own.
+    from cbserve.serving.protocol import Sampling
     from cbserve.serving.requests import worker_request
-    from cbserve.serving.settings import GenerationDefaults
 
-    assert worker_request("grpc-1", GenerationDefaults(), [], prompt="x").options.parent_id == "grpc-1"
+    assert worker_request("grpc-1", [], Sampling(), prompt="x").sampling.parent_id == "grpc-1"
 
 
 def test_the_api_key_is_the_tenant_of_every_choice() -> None:
@@ -244,7 +244,7 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     from cbserve.cluster.ingress import OpenAIIngress
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.protocol import SamplingOptions, WorkerEvent, WorkerRequest
+    from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
     from cbserve.serving.requests import key_tenant, user_tenant
 
     args = ClusterArgs(api_key="k1", api_keys=["k2", "k1"])
@@ -267,7 +267,7 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve
     ingress.args, ingress._generate = args, Handle()
-    wreq = WorkerRequest(request_id="r", prompt="x", options=SamplingOptions(tenant=user_tenant("bob")))
+    wreq = WorkerRequest(request_id="r", prompt="x", sampling=Sampling(tenant=user_tenant("bob")))
 
     async def call(header: str | None) -> bool:
         ok = ingress._authorized(header)
@@ -277,8 +277,8 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     ingress._api_keys = {k: key_tenant(k) for k in args.resolved_api_keys()}
     assert [asyncio.run(call(h)) for h in ("Bearer k2", "Bearer k3", "Basic k1", None)] == [True, False, False, False]
-    assert [w.options.tenant for w in sent] == [key_tenant("k2")]  # the key's, not the client's user
+    assert [w.sampling.tenant for w in sent] == [key_tenant("k2")]  # the key's, not the client's user
     assert "k2" not in key_tenant("k2")
     ingress._api_keys = {}
     assert asyncio.run(call(None))
-    assert sent[-1].options.tenant == user_tenant("bob")
+    assert sent[-1].sampling.tenant == user_tenant("bob")

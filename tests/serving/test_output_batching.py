@@ -23,7 +23,7 @@ from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, 
 from cbserve.output_store import OutputStore
 from cbserve.outputs import GenerationOutput, RequestStatus
 from cbserve.serving.generation import ModelInfo, merge_outputs, run_request
-from cbserve.serving.protocol import WorkerEvent, WorkerRequest
+from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
 from tests.support.cluster import running_manager, tiny_model_dir
 
 
@@ -113,7 +113,7 @@ def test_a_slow_consumer_gets_fewer_deltas_with_the_same_tokens_text_and_logprob
     tok = loaded[1]
     ids = tok("one two three café").input_ids
     expected, logprobs = _greedy(manager, ids, 40)
-    req = WorkerRequest(request_id="b-slow", prompt_ids=ids, max_tokens=40, temperature=0.0, logprobs=True)
+    req = WorkerRequest(request_id="b-slow", prompt_ids=ids, max_tokens=40, sampling=Sampling(temperature=0.0), logprobs=True)
     events = [ev for _, ev in asyncio.run(_deltas(manager, tok, info, req, lag_s=0.05))]
     deltas = [ev for ev in events if ev.kind == "delta"]
     assert events[0].kind == "start" and events[-1].kind == "end" and events[-1].completion_tokens == len(expected)
@@ -128,7 +128,7 @@ def test_stream_interval_paces_the_deltas(manager: Any, loaded: tuple[Any, Any],
     tok = loaded[1]
     ids = tok("hello world").input_ids
     expected, _ = _greedy(manager, ids, 60)
-    req = WorkerRequest(request_id="b-paced", prompt_ids=ids, max_tokens=60, temperature=0.0)
+    req = WorkerRequest(request_id="b-paced", prompt_ids=ids, max_tokens=60, sampling=Sampling(temperature=0.0))
     timed = asyncio.run(_deltas(manager, tok, info, req, interval_s=0.1))
     deltas = [(t, ev) for t, ev in timed if ev.kind == "delta"]
     assert [t for _, ev in deltas for t in ev.token_ids] == expected

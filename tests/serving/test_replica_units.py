@@ -21,7 +21,7 @@ from cbserve.serving.errors import APIError, openai_error, refusal
 from cbserve.serving.generation import ModelInfo, run_request
 from cbserve.serving.openai_service import OpenAIService
 from cbserve.serving.prefix import chat_routing_text, prefix_hashes
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import Sampling, WorkerRequest
 from cbserve.serving.replies import ChoiceStream
 from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
 from tests.support.cluster import FakeReplica, running_manager, tiny_model_dir
@@ -143,7 +143,7 @@ def test_prefix_hashes_share_exactly_the_common_chunks() -> None:
 
 def test_run_request_greedy_matches_the_manager(manager: Any, tokenizer: Any, info: ModelInfo) -> None:
     prompt = "hello world the sea"
-    req = WorkerRequest(request_id="u-greedy", prompt=prompt, max_tokens=12, temperature=0.0, logprobs=True)
+    req = WorkerRequest(request_id="u-greedy", prompt=prompt, max_tokens=12, sampling=Sampling(temperature=0.0), logprobs=True)
     evs = _run(_events(manager, tokenizer, info, req))
     assert evs[0].kind == "start" and evs[0].prompt_tokens == len(tokenizer(prompt).input_ids)
     assert evs[-1].kind == "end"
@@ -161,7 +161,7 @@ def test_run_request_cuts_at_stop_string_and_frees_pages(manager: Any, tokenizer
     full = tokenizer.decode(_direct_greedy(manager, ids, 16), skip_special_tokens=True)
     stop = full[4:7]
     assert len(stop) == 3 and stop not in full[:4]
-    req = WorkerRequest(request_id="u-stop", prompt_ids=ids, max_tokens=16, temperature=0.0, stop=[stop])
+    req = WorkerRequest(request_id="u-stop", prompt_ids=ids, max_tokens=16, sampling=Sampling(temperature=0.0), stop=[stop])
     evs = _run(_events(manager, tokenizer, info, req))
     text = "".join(ev.text for ev in evs)
     assert text == full[: full.index(stop)]
@@ -172,7 +172,7 @@ def test_run_request_cuts_at_stop_string_and_frees_pages(manager: Any, tokenizer
 
 def test_closing_the_stream_cancels_the_request(manager: Any, tokenizer: Any, info: ModelInfo) -> None:
     async def scenario() -> dict[str, int]:
-        req = WorkerRequest(request_id="u-close", prompt="hello world", max_tokens=400, temperature=0.0)
+        req = WorkerRequest(request_id="u-close", prompt="hello world", max_tokens=400, sampling=Sampling(temperature=0.0))
         gen = run_request(manager, tokenizer, info, req, "local")
         async for ev in gen:
             if ev.kind == "delta":

@@ -29,7 +29,7 @@ from cbserve.serving.errors import APIError
 from cbserve.serving.generation import ModelInfo, submit
 from cbserve.serving.json_body import parse_request
 from cbserve.serving.openai_service import OpenAIService
-from cbserve.serving.protocol import SamplingOptions, WorkerRequest
+from cbserve.serving.protocol import Sampling, WorkerRequest
 from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.workers.engine import EngineCore
 from cbserve.workers.kv.node_pool import NodeKVPool
@@ -128,8 +128,8 @@ def test_the_replica_request_path_passes_the_salt_to_the_engine(manager) -> None
     hits = []
     for i in range(2):
         before = manager.engine.stats()["prefix_hit_tokens"]
-        wreq = WorkerRequest(request_id=f"w{i}-{salt}", prompt_ids=PROMPT, max_tokens=MAX_NEW, temperature=0.0,
-                             options=SamplingOptions(cache_salt=salt))
+        wreq = WorkerRequest(request_id=f"w{i}-{salt}", prompt_ids=PROMPT, max_tokens=MAX_NEW,
+                             sampling=Sampling(temperature=0.0, cache_salt=salt))
         _, rid = submit(manager, None, info, wreq)
         for _ in manager.request_id_iter(rid):
             pass
@@ -151,7 +151,7 @@ def test_openai_requests_carry_cache_salt(schema, body) -> None:
     service = _service()
     wreqs = (service.completion_requests(req, "r") if schema is CompletionRequest
              else service.chat_requests(req, "r"))
-    assert [w.options.engine_kwargs()["cache_salt"] for w in wreqs] == ["s3cret"] * len(wreqs)
+    assert [w.sampling.engine_kwargs()["cache_salt"] for w in wreqs] == ["s3cret"] * len(wreqs)
     with pytest.raises(APIError) as err:  # a salt is a string, not coerced
         parse_request(json.dumps({**body, "cache_salt": 5}).encode(), schema)
     assert err.value.status == 400 and err.value.param == "cache_salt"
@@ -163,16 +163,16 @@ def test_grpc_sampling_carries_cache_salt() -> None:
     msg = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1, 2, 3]),
                                        sampling=generate_pb2.SamplingParams(cache_salt="s3cret"))
     wreq = grpc_service.to_worker_request(msg, _service())
-    assert wreq.options.cache_salt == "s3cret"
+    assert wreq.sampling.cache_salt == "s3cret"
     unsalted = grpc_service.to_worker_request(generate_pb2.GenerateRequest(token_ids=msg.token_ids), _service())
-    assert unsalted.options.cache_salt is None
+    assert unsalted.sampling.cache_salt is None
     assert grpc_service.grpc_field("cache_salt", wreq) == "sampling.cache_salt"  # how a refusal names it
 
 
 def test_batch_lines_carry_cache_salt() -> None:
     line = BatchLine.model_validate({"id": 1, "input_ids": [1, 2, 3], "cache_salt": "s3cret"})
     wreq = to_worker_request(line, "r", RequestDefaults(), chat_template=False)
-    assert wreq.options.cache_salt == "s3cret"
+    assert wreq.sampling.cache_salt == "s3cret"
     with pytest.raises(ValueError, match="cache_salt"):
         BatchLine.model_validate({"id": 1, "input_ids": [1, 2, 3], "cache_salt": 5})
 
