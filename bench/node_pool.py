@@ -43,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
         engine.add_request(warm)
         while engine.has_work:
             engine.step()
-        engine.prompt_tokens_computed = 0
+        engine.scheduler.num_prompt_tokens = 0  # the request alone: not the warm-up
         request = engine.make_request(system + question, "req")
         start = time.perf_counter()
         engine.add_request(request)

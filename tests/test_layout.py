@@ -87,6 +87,41 @@ def test_the_scheduler_holds_no_tensors(name: str) -> None:
     assert not bad, f"{name} imports {bad}"
 
 
+# A request's scheduling state: only the scheduler's modules change it (`Scheduler.update` takes
+# each step's outcome back), and only they use the block manager.
+SCHEDULER_STATE = {"num_computed", "status", "num_inflight", "block_ids", "num_hashed_blocks", "num_released_blocks",
+                   "host_block_ids", "num_offloaded_tokens"}
+
+
+def bookkeeping(source: str) -> list[str]:
+    """Assignments to a request's scheduling state and calls of block manager methods in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found += [f"line {node.lineno}: sets .{t.attr}" for t in targets
+                  if isinstance(t, ast.Attribute) and t.attr in SCHEDULER_STATE]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "block_manager"):
+            found.append(f"line {node.lineno}: calls block_manager.{node.func.attr}")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if within(m, ENGINE) and not within(m, ("cbserve.scheduler",))))
+def test_the_scheduler_does_its_own_bookkeeping(name: str) -> None:
+    found = bookkeeping(MODULES[name].read_text())
+    assert not found, f"{name} does the scheduler's bookkeeping: {found}"
+
+
+def test_the_bookkeeping_check_can_fail() -> None:
+    """The engine's step as it was before `Scheduler.update` is found."""
+    old = ("def _advance(self, batch):\n    for s in batch:\n        s.request.num_computed += s.num_query_tokens\n"
+           "        s.request.status = RequestStatus.DECODING\n        self.block_manager.register_full_pages(s.request)\n")
+    assert bookkeeping(old) == ["line 3: sets .num_computed", "line 4: sets .status",
+                                "line 5: calls block_manager.register_full_pages"]
+    assert bookkeeping("def f(self):\n    self.scheduler.update(plan, result)\n    n = r.num_computed\n") == []
+
+
 def _is_triton_kernel(node: ast.AST) -> bool:
     return any("jit" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
 

@@ -3,13 +3,16 @@
 The scheduler decides offloads and restores and records them as `KVTransfer`s in its step plan;
 the engine executes the copies (`workers/kv/host_pool.py`) before the step's forward pass, in
 the order they were decided. Host pages freed while a step is planned (a restore's) become
-reusable only from the next step on: a copy into them made while planning (a node pool pull)
-must not overwrite what a transfer of the same plan has yet to read.
+reusable only from the next step on, so that no transfer of a plan writes a page another
+transfer of the same plan reads.
 
 With a per-node KV pool (`node`, `workers/kv/node_pool.py`), a request admitted without its
-whole prefix in the engine's own cache first asks the node pool for the following pages: those
-it holds are copied into host pages at once and restored like an offloaded request's. A
-request preempted when the host pool is full leaves its full pages to the node pool (`export`).
+whole prefix in the engine's own cache first asks the node pool which of the following pages it
+holds: those are planned as a `pull` (node pool -> host pages, run with the plan's transfers)
+followed by the `restore` of an offloaded request. A pull verifies each page it copies; one that
+changed since the plan was made is a miss, and the request computes from there
+(`Scheduler.pulled_short`). A request preempted when the host pool is full leaves its full
+pages to the node pool (`export`).
 """
 
 from __future__ import annotations
@@ -25,23 +28,24 @@ class KVTransfer:
     """Copy pages between the device cache and the host pool: `offload` device -> host,
     `restore` host -> device, page i of one side to page i of the other; `export` device -> the
     node pool, the device pages holding `tokens` (whole pages, from the request's first) of a
-    request with `cache_salt`."""
+    request with `cache_salt`; `pull` the node pool -> host pages, its pages `first_page`,
+    `first_page + 1`, ... of `tokens` (request `request_id`'s) into `host_blocks`."""
 
-    kind: Literal["offload", "restore", "export"]
+    kind: Literal["offload", "restore", "export", "pull"]
     device_blocks: tuple[int, ...]
     host_blocks: tuple[int, ...]
     tokens: tuple[int, ...] = ()
     cache_salt: str | None = None
+    first_page: int = 0
+    request_id: str = ""
 
 
 class NodePages(Protocol):
     """The engine's side of the node pool, as the scheduler sees it."""
 
-    def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int],
-             cache_salt: str | None = None) -> int:
-        """Copy the node pool's pages `first_page`, `first_page + 1`, ... of `tokens` (as many
-        as it holds, up to `num_pages`, verified, of requests with this `cache_salt`) into
-        `host_blocks`; returns how many."""
+    def holds(self, tokens: list[int], first_page: int, num_pages: int, cache_salt: str | None = None) -> int:
+        """How many of the node pool's pages `first_page`, `first_page + 1`, ... of `tokens` (up
+        to `num_pages`, of requests with this `cache_salt`) it holds now, in a row; no copy."""
         ...
 
 
@@ -99,24 +103,26 @@ class HostPages:
         """Its host pages came from the node pool (and go after its locally cached prefix)."""
         return request.request_id in self._first_page
 
-    def pull(self, request: Request) -> int:
+    def pull(self, request: Request) -> KVTransfer | None:
         """After the request matched `len(block_ids)` pages in the engine's cache: the following
-        pages the node pool holds, copied into host pages now. Returns the tokens the request
-        will have once they are restored (0: none), as `offload` records it."""
-        first = len(request.block_ids)
-        wanted = min((request.num_tokens - 1) // self.page_size - first, len(self._free))  # never the last token
+        pages the node pool holds, planned as a copy into host pages, which the request then
+        restores as an offloaded one (`num_offloaded_tokens`). None: the pool holds none."""
+        first, ps = len(request.block_ids), self.page_size
+        wanted = min((request.num_tokens - 1) // ps - first, len(self._free))  # never the last token
         if self.node is None or wanted <= 0:
-            return 0
-        host_ids = self._free[len(self._free) - wanted :]
-        got = self.node.pull(request.tokens, first, wanted, host_ids, request.cache_salt)
+            return None
+        got = self.node.holds(request.tokens, first, wanted, request.cache_salt)
         if got == 0:
-            return 0
-        del self._free[len(self._free) - wanted : len(self._free) - wanted + got]
-        request.host_block_ids = host_ids[:got]
-        request.num_offloaded_tokens = (first + got) * self.page_size
+            return None
+        start = len(self._free) - wanted
+        host_ids = self._free[start : start + got]
+        del self._free[start : start + got]
+        request.host_block_ids = host_ids
+        request.num_offloaded_tokens = (first + got) * ps
         self._first_page[request.request_id] = first
-        self.num_node_hit_tokens += got * self.page_size
-        return request.num_offloaded_tokens
+        self.num_node_hit_tokens += got * ps
+        return KVTransfer("pull", (), tuple(host_ids), tuple(request.tokens[: (first + got) * ps]),
+                          request.cache_salt, first, request.request_id)
 
     def export(self, request: Request) -> KVTransfer | None:
         """A preempted request's full pages, for the node pool (None: no node pool, no full page)."""

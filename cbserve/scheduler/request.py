@@ -139,6 +139,11 @@ class Request:
         return self.num_inflight > 0 and len(self.generated) + self.num_inflight >= self.max_new_tokens
 
     @property
+    def live(self) -> bool:
+        """Still in the engine: not finished, cancelled or failed."""
+        return not self.status.is_final
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: what async batching can sample on the device."""
         return self.sampling.plain_greedy and self.grammar is None

@@ -6,6 +6,11 @@ larger than the budget are prefilled in chunks over several steps. When the cach
 the most recently admitted request of the lowest priority and the largest share is preempted
 (its pages freed, recomputed later).
 
+After each pass the engine hands its outcome back (`update(plan, result)`, a `StepResult`): the
+scheduler moves the requests on, registers their full pages for prefix caching, releases pages
+out of a sliding window, appends the tokens and finishes the requests that stop or fault,
+freeing their pages. The engine only runs the plan's copies, the model and the sampler.
+
 Between tenants and parent requests the engine is shared fairly (`fair_share.py`): waiting
 requests are admitted, and running ones given the step's tokens, least charged tenant and parent
 first, after `priority`; one parent's choices take at most `parent_share` of `max_requests` in
@@ -16,9 +21,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from cbserve.outputs import RequestStatus
+from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.fair_share import FairShare
 from cbserve.scheduler.host_pages import HostPages, KVTransfer
@@ -44,6 +50,21 @@ class StepPlan:
     transfers: list[KVTransfer]
 
 
+@dataclass
+class StepResult:
+    """A forward pass's sampled output as the scheduler takes it (`Scheduler.update`): for each
+    request drawn for, in row order, its token and, when asked, its log-probability and top
+    (token, logprob) pairs; and the requests that cannot go on, each with its own fault. A request
+    in both had its token refused by its own state (grammar, logits processors): the token is
+    kept, and the request fails."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    requests: list[Request] = field(default_factory=list)
+    faults: list[tuple[Request, BaseException]] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -54,6 +75,7 @@ class Scheduler:
         safety_margin: float = 0.15,
         host_pages: HostPages | None = None,
         parent_share: float = 1.0,
+        release_window: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -67,9 +89,16 @@ class Scheduler:
         # Running choices of one parent request (requests without a parent id are not capped).
         self.max_running_per_parent = max(1, int(parent_share * max_requests))
         self._transfers: list[KVTransfer] = []
+        # With sliding-window layers only: how far back a query sees (pages before are released).
+        self.release_window = release_window
+        # Called with each pass's advanced entries, before their tokens are taken (the node pool).
+        self.on_computed: Callable[[list[ScheduledRequest]], None] | None = None
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.prefix_hit_tokens = 0
+        self.num_steps = 0  # forward passes taken (`update`)
+        self.num_prompt_tokens = 0  # prompt tokens computed (not recomputed after a preemption)
+        self.num_generated_tokens = 0
 
     @property
     def has_work(self) -> bool:
@@ -160,19 +189,41 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _pull_from_node(self, request: Request) -> int:
-        """Tokens of the request the node pool holds past its local prefix match, now in host
-        pages (0: none, no node pool, or too little room to admit the whole request now: a pull
-        is a copy, not repeated while the request waits)."""
+        """Tokens of the request the node pool holds past its local prefix match, planned as a
+        pull into host pages (0: none, no node pool, or too little room to admit the whole
+        request now: a pull is a copy, not repeated while the request waits)."""
         hp, bm = self.host_pages, self.block_manager
         if hp is None or hp.node is None:
             return 0
         if bm.num_free < bm.pages_needed(request.num_tokens) - len(request.block_ids):
             return 0
-        return hp.pull(request)
+        pull = hp.pull(request)
+        if pull is None:
+            return 0
+        self._transfers.append(pull)
+        return request.num_offloaded_tokens
 
     def _drop_pulled(self, request: Request) -> None:
         if self.host_pages is not None and self.host_pages.pulled(request):
             self.host_pages.release(request)
+            self._transfers = [t for t in self._transfers if t.kind != "pull" or t.request_id != request.request_id]
+
+    def pulled_short(self, plan: StepPlan, short: list[tuple[KVTransfer, int]]) -> None:
+        """Pulls of `plan` that copied fewer pages than planned (`(transfer, pages copied)`: a
+        node pool page changed since the plan was made): their requests compute from the last
+        page copied, the same number of tokens in this step."""
+        ps = self.block_manager.page_size
+        lost = {t.request_id: (len(t.host_blocks) - copied) * ps for t, copied in short}
+        for i, s in enumerate(plan.batch):
+            missing = lost.get(s.request.request_id)
+            if missing is None:
+                continue
+            request = s.request
+            request.num_computed -= missing
+            self.prefix_hit_tokens -= missing
+            self.host_pages.num_node_hit_tokens -= missing
+            plan.batch[i] = ScheduledRequest(request, s.num_query_tokens,
+                                             request.num_computed + s.num_query_tokens == request.num_tokens)
 
     def _may_admit(self, batch: list[ScheduledRequest], budget: int) -> bool:
         bm = self.block_manager
@@ -222,3 +273,66 @@ class Scheduler:
             budget -= num
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+
+    # -- after a step ------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan | None, result: StepResult | None = None) -> list[Request]:
+        """The step's bookkeeping, in this order: `plan`'s pass has run, so its requests still
+        live move on (their K/V is in the cache: full pages registered for prefix caching, pages
+        out of the sliding window released); then `result`'s tokens are appended, and requests
+        that stop or fault finish, their pages freed. `result` is that pass's output, or (async
+        batching) None while it is on the device: its sampled requests then count a token in
+        flight, and a later `update(None, result)` hands the tokens over. Returns the requests
+        that got a token or finished."""
+        if plan is not None:
+            self._advance([s for s in plan.batch if s.request.live], in_flight=result is None)
+        return [] if result is None else self._take(result, was_in_flight=plan is None)
+
+    def _advance(self, batch: list[ScheduledRequest], in_flight: bool) -> None:
+        bm = self.block_manager
+        for s in batch:
+            request = s.request
+            if not request.generated:
+                self.num_prompt_tokens += s.num_query_tokens
+            request.num_computed += s.num_query_tokens
+            if request.status == RequestStatus.PREFILLING and s.sample:
+                request.status = RequestStatus.DECODING
+            bm.register_full_pages(request)
+            if self.release_window is not None:
+                bm.release_before(request, request.num_computed - self.release_window + 1)
+            request.num_inflight += in_flight and s.sample
+        if self.on_computed is not None:  # the node pool publishes the computed prompt pages
+            self.on_computed(batch)
+        self.num_steps += 1
+
+    def _take(self, result: StepResult, was_in_flight: bool) -> list[Request]:
+        """Append each live request's token; finish those that stop, fail those at fault."""
+        faults = {id(r): fault for r, fault in result.faults}
+        drawn = {id(r) for r in result.requests}
+        refused = [r for r, fault in result.faults if id(r) not in drawn]  # nothing drawn for them
+        for request in refused:
+            self.fail(request, faults[id(request)])
+        live = [i for i, r in enumerate(result.requests) if r.live]
+        for i in live:
+            request = result.requests[i]
+            request.num_inflight -= was_in_flight
+            request.append_token(result.tokens[i], result.logprobs[i] if result.logprobs is not None else None,
+                                 result.top_logprobs[i] if result.top_logprobs is not None else None)
+            self.num_generated_tokens += 1
+            if id(request) in faults:
+                self.fail(request, faults[id(request)])
+            elif (reason := request.stop_reason()) is not None:
+                self.finish(request, RequestStatus.FINISHED, reason)
+        return refused + [result.requests[i] for i in live]
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """One request cannot go on (a fault of its own): it alone fails, its pages freed."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        self.finish(request, RequestStatus.FAILED, FinishReason.ERROR, error)
+
+    def finish(self, request: Request, status: RequestStatus, reason: FinishReason,
+               error: BaseException | None = None) -> None:
+        """The request ends (finished, cancelled, failed): out of the scheduler, its pages freed."""
+        if request.live:
+            self.remove(request)
+        request.finish(status, reason, error)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cbserve.scheduler.request import Request
+from cbserve.scheduler.scheduler import StepResult
 
 
 @dataclass
@@ -38,12 +39,12 @@ class InFlightStep:
         """id(request) -> row of its token in `tokens`."""
         return {id(r): i for i, r in enumerate(self.requests)}
 
-    def results(self) -> tuple[list[int], list[float] | None]:
-        """Wait for the copies; the tokens and log-probabilities as Python lists."""
+    def results(self) -> StepResult:
+        """Wait for the copies; the tokens and log-probabilities, for the scheduler."""
         if self.done is not None:
             self.done.synchronize()
         logprobs = None if self.host_logprobs is None else self.host_logprobs.tolist()
-        return self.host_tokens.tolist(), logprobs
+        return StepResult(self.host_tokens.tolist(), logprobs, None, list(self.requests))
 
 
 def launch_greedy(logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> InFlightStep:

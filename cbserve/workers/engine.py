@@ -1,4 +1,6 @@
-"""EngineCore: one `step()` = schedule, run the model, sample, update the requests.
+"""EngineCore: one `step()` = schedule, run the copies and the model, sample, and hand the
+pass's `StepResult` to `Scheduler.update`, which does the step's bookkeeping (tokens computed,
+status, pages registered, released and freed, finishing).
 
 It knows nothing of threads, HTTP or Ray; the manager and `generate_batch` drive it, and build
 it through `workers/factory.py`. Under tensor parallelism it is given a `TensorParallelLeader`
@@ -22,7 +24,7 @@ from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.request import Request, SamplingParams
-from cbserve.scheduler.scheduler import Scheduler
+from cbserve.scheduler.scheduler import Scheduler, StepPlan, StepResult
 from cbserve.workers import compilation, model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.compilation import CompiledForward
@@ -45,9 +47,10 @@ logger = logging.getLogger(__name__)
 
 
 def _token_refused(request: Request, cause: Exception) -> RequestFault:
+    """The fault of a request whose own state refused its next token (about to be appended)."""
     field = "grammar" if request.grammar is not None else "logits_processors"
     fault = RequestFault(field, f"the request's {field} refused its token at output position "
-                                f"{len(request.generated) - 1} ({type(cause).__name__})")
+                                f"{len(request.generated)} ({type(cause).__name__})")
     fault.__cause__ = cause
     return fault
 
@@ -96,7 +99,7 @@ class EngineCore:
         pack_weights = pack_weights_wanted(cfg, self.device, self.dtype)  # may refuse: before the model is touched
         sizes = engine_sizes(cfg, self.shape, self.device, self.dtype,
                              Workload(max_total_tokens_hint, num_requests_hint, max_request_tokens_hint))
-        self.max_batch_tokens, self.release_window = sizes.max_batch_tokens, sizes.release_window
+        self.max_batch_tokens = sizes.max_batch_tokens
         self._build_memory(sizes)
         self._build_runner(sizes)
         self._pack_weights = pack_weights
@@ -110,12 +113,9 @@ class EngineCore:
         self._in_flight: InFlightStep | None = None
         self.sampler = Sampler(self.shape.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
-        self.num_steps = 0
         self.busy_seconds = 0.0  # wall time inside step(): with the wall clock, how busy the engine was
         # Seconds spent in each phase of step(), summed: host overhead vs model time.
         self.timings = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0}
-        self.generated_tokens = 0
-        self.prompt_tokens_computed = 0
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests=%d",
             sizes.num_blocks, cfg.page_size, self.cache.nbytes / 2**20, self.max_batch_tokens, sizes.max_requests,
@@ -136,7 +136,9 @@ class EngineCore:
         self.node_pool = node_client.attach(cfg.node_kv_pool, self.model, self.cache, self.host_pool, host_pages,
                                             prefix_caching)
         self.scheduler = Scheduler(self.block_manager, sizes.max_batch_tokens, sizes.max_requests, cfg.scheduler,
-                                   cfg.resolved_safety_margin, host_pages, cfg.parent_share)
+                                   cfg.resolved_safety_margin, host_pages, cfg.parent_share, sizes.release_window)
+        if self.node_pool is not None:  # computed prompt pages, for the node's other engines
+            self.scheduler.on_computed = self.node_pool.after_step
 
     def _build_runner(self, sizes) -> None:
         """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
@@ -238,27 +240,27 @@ class EngineCore:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def _drop(self, request: Request) -> None:
-        """The request leaves the engine: its pages and its sampler state are freed."""
-        self.scheduler.remove(request)
-        self.sampler.forget(request.request_id)
-        del self.requests[request.request_id]
+    def _forget(self, request: Request) -> None:
+        """A request the scheduler finished leaves the engine: its sampler state is dropped."""
+        if self.requests.get(request.request_id) is request:
+            self.sampler.forget(request.request_id)
+            del self.requests[request.request_id]
 
     def cancel_request(self, request_id: str) -> Request | None:
         """Stop a live request now and free its pages; None when unknown or already done."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._drop(request)
-        request.finish(RequestStatus.CANCELLED, FinishReason.CANCELLED)
+        self.scheduler.finish(request, RequestStatus.CANCELLED, FinishReason.CANCELLED)
+        self._forget(request)
         return request
 
     def fail_all(self, error: BaseException) -> list[Request]:
         """Fail every live request (hard stop, crash), freeing their pages."""
         failed = list(self.requests.values())
         for request in failed:
-            self._drop(request)
-            request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
+            self.scheduler.finish(request, RequestStatus.FAILED, FinishReason.ERROR, error)
+            self._forget(request)
         self._in_flight = None
         return failed
 
@@ -288,9 +290,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.transfers:  # before any forward pass may write the pages they read
             self.host_pool.execute(plan.transfers)
+            if self.host_pool.short_pulls:  # a node pool page changed since the plan was made
+                self.scheduler.pulled_short(plan, self.host_pool.short_pulls)
         batch = plan.batch
         if not batch:
-            updated = self._finish_in_flight()
+            updated = self._take_in_flight()
             if not updated and self.scheduler.has_work and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot fit the cache")
             return updated
@@ -300,8 +304,8 @@ class EngineCore:
         updated: list[Request] = []
         if in_flight is not None and not launch_async:
             # Synchronous: earlier tokens first (rows of requests that just stopped are dropped).
-            updated = self._finish(in_flight)
-            batch = [s for s in batch if self._is_live(s.request)]
+            updated = self._update(None, in_flight.results())
+            batch = [s for s in batch if s.request.live]
             in_flight = None
             if not batch:
                 return updated
@@ -312,101 +316,70 @@ class EngineCore:
             logits = self.runner.run(kwargs)
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
-        if launch_async:
-            updated = self._launch(logits, requests, batch, in_flight)
+        if launch_async:  # this pass's greedy tokens stay on the device; the previous pass's are read
+            launched = launch_greedy(logits, requests, self.config.return_logprobs)
+            updated = self._update(None, in_flight.results()) if in_flight is not None else []
+            self._update(plan, None)
+            self._in_flight = launched
         else:
             if self.runner.prompt_chunks:  # their rows follow the sampled ones
                 prompt_logprobs(logits[len(requests):], self.runner.prompt_chunks)
-            self._advance(batch)
-            updated += self._sample(logits[: len(requests)], requests)
+            result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
+                      else StepResult([]))
+            updated += self._update(plan, result)
         self.timings["schedule"] += t1 - t0
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
         return updated
 
-    def _launch(self, logits: torch.Tensor, requests: list[Request], batch: list,
-                in_flight: InFlightStep | None) -> list[Request]:
-        """Async batching: this pass's greedy tokens stay on the device; the previous pass's are read."""
-        launched = launch_greedy(logits, requests, self.config.return_logprobs)
-        updated = self._finish(in_flight)  # waits for the previous pass only
-        self._advance([s for s in batch if self._is_live(s.request)])
-        for request in requests:
-            request.num_inflight += self._is_live(request)
-        self._in_flight = launched
+    def _update(self, plan: StepPlan | None, result: StepResult | None) -> list[Request]:
+        """The step's bookkeeping is the scheduler's (`Scheduler.update`); the engine's part: the
+        requests' sampler state takes their tokens first, and finished requests leave."""
+        if result is not None:
+            self._observe(result)
+        updated = self.scheduler.update(plan, result)
+        for request in updated:
+            if not request.live:
+                self._forget(request)
         return updated
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Request]:
-        if not requests:
-            return []
-        result = self.sampler(logits, requests, self.config.return_logprobs)
-        for request, fault in result.faults:
-            self.fail_request(request, fault)
-        updated = self._append(result.requests, result.tokens, result.logprobs, result.top_logprobs)
-        return [request for request, _ in result.faults] + updated
+    def _observe(self, result: StepResult) -> None:
+        """Each live request's grammar and penalties take its token; a request whose own state
+        refuses it is at fault (it alone fails)."""
+        for request, token in zip(result.requests, result.tokens):
+            if not request.live:
+                continue
+            try:
+                self.sampler.observe(request, token)
+            except Exception as exc:  # the request's own state refused its token: it alone fails
+                logger.exception("request %s: taking token %d raised", request.request_id, token)
+                result.faults.append((request, _token_refused(request, exc)))
+
+    def _take_in_flight(self) -> list[Request]:
+        in_flight, self._in_flight = self._in_flight, None
+        return self._update(None, in_flight.results()) if in_flight is not None else []
 
     def fail_request(self, request: Request, error: BaseException) -> None:
         """One request cannot go on (a fault of its own): it alone fails, its pages freed."""
-        logger.warning("request %s failed: %s", request.request_id, error)
-        if self._is_live(request):
-            self._drop(request)
-        request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
-
-    def _is_live(self, request: Request) -> bool:
-        return self.requests.get(request.request_id) is request
-
-    def _advance(self, batch: list) -> None:
-        """The pass's tokens are in the cache: move the requests on, register and release pages."""
-        for s in batch:
-            s.request.num_computed += s.num_query_tokens
-            if s.request.status == RequestStatus.PREFILLING and s.sample:
-                s.request.status = RequestStatus.DECODING
-            self.block_manager.register_full_pages(s.request)
-            if self.release_window is not None:
-                self.block_manager.release_before(s.request, s.request.num_computed - self.release_window + 1)
-            if not s.request.generated:
-                self.prompt_tokens_computed += s.num_query_tokens
-        if self.node_pool is not None:  # computed prompt pages, for the node's other engines
-            self.node_pool.after_step(batch)
-        self.num_steps += 1
-
-    def _finish(self, in_flight: InFlightStep | None) -> list[Request]:
-        """Read a launched pass's tokens and update its requests that are still live."""
-        if in_flight is None:
-            return []
-        tokens, logprobs = in_flight.results()
-        live = [i for i, r in enumerate(in_flight.requests) if self._is_live(r)]
-        requests = [in_flight.requests[i] for i in live]
-        for request in requests:
-            request.num_inflight -= 1
-        return self._append(requests, [tokens[i] for i in live],
-                            None if logprobs is None else [logprobs[i] for i in live])
-
-    def _finish_in_flight(self) -> list[Request]:
-        in_flight, self._in_flight = self._in_flight, None
-        return self._finish(in_flight)
-
-    def _append(self, requests: list[Request], tokens: list[int], logprobs: list[float] | None,
-                tops: list[list[tuple[int, float]]] | None = None) -> list[Request]:
-        for i, request in enumerate(requests):
-            request.append_token(tokens[i], logprobs[i] if logprobs is not None else None,
-                                 tops[i] if tops is not None else None)
-            self.generated_tokens += 1
-            try:
-                self.sampler.observe(request, tokens[i])  # its grammar and penalties take the token
-                reason = request.stop_reason()
-            except Exception as exc:  # the request's own state refused its token: it alone fails
-                logger.exception("request %s: taking token %d raised", request.request_id, tokens[i])
-                self.fail_request(request, _token_refused(request, exc))
-                continue
-            if reason is not None:
-                self._drop(request)
-                request.finish(RequestStatus.FINISHED, reason)
-        return requests
+        self.scheduler.fail(request, error)
+        self._forget(request)
 
     def check_health(self) -> None:
         """Raise RuntimeError when the engine cannot run steps: its tensor-parallel group failed."""
         if self.parallel is not None:
             self.parallel.check_health()
+
+    @property
+    def num_steps(self) -> int:
+        return self.scheduler.num_steps
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.scheduler.num_generated_tokens
+
+    @property
+    def prompt_tokens_computed(self) -> int:
+        return self.scheduler.num_prompt_tokens
 
     def stats(self) -> dict[str, float]:
         host = self.scheduler.host_pages

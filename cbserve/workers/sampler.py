@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from cbserve.errors import RequestFault
 from cbserve.scheduler.request import Request, SamplingParams
+from cbserve.scheduler.scheduler import StepResult
 from cbserve.workers.logits_processors import LogitsProcessing
 
 
@@ -72,17 +71,6 @@ def _threads_for(logits: torch.Tensor) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@dataclass
-class SampleResult:
-    tokens: list[int]
-    logprobs: list[float] | None  # each token's, under the distribution it was drawn from
-    top_logprobs: list[list[tuple[int, float]]] | None  # per row, its request's top_logprobs pairs
-    # The requests drawn for, in row order: those given, less the faulted ones.
-    requests: list[Request] = field(default_factory=list)
-    # Requests that cannot go on (their own constraints or processors): nothing drawn for them.
-    faults: list[tuple[Request, RequestFault]] = field(default_factory=list)
-
-
 class Sampler:
     """Draws with the engine's generator, or with a request's own when it has a seed: those
     generators live here, keyed by request id, from its first draw until `forget`, as does the
@@ -113,25 +101,25 @@ class Sampler:
     def observe(self, request: Request, token: int) -> None:
         self.processing.observe(request, token)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
         """logits [rows, vocab] float32, one row per request. One token per row; logprobs when
         `want_logprobs` or a request asks for top logprobs."""
         logits = logits.cpu()
         with _threads_for(logits):
             return self._sample(logits, requests, want_logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
         logits, faults = self.processing(logits, requests)
         if faults:  # a faulted row draws nothing; the others draw as they would without it
             faulted = [(requests[i], fault) for i, fault in sorted(faults.items())]
             keep = [i for i in range(len(requests)) if i not in faults]
             logits, requests = logits[keep], [requests[i] for i in keep]
-            result = self._draw(logits, requests, want_logprobs) if requests else SampleResult([], None, None)
+            result = self._draw(logits, requests, want_logprobs) if requests else StepResult([], None, None)
             result.faults = faulted
             return result
         return self._draw(logits, requests, want_logprobs)
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> SampleResult:
+    def _draw(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
         params = [r.sampling for r in requests]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -152,11 +140,11 @@ class Sampler:
             processed = logits.index_put((rows,), sub)
         k = max(p.top_logprobs for p in params)
         if not (want_logprobs or k):
-            return SampleResult(tokens.tolist(), None, None, requests)
+            return StepResult(tokens.tolist(), None, None, requests)
         logprobs = processed.log_softmax(dim=-1)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         tops = top_pairs(logprobs, [p.top_logprobs for p in params]) if k else None
-        return SampleResult(tokens.tolist(), chosen, tops, requests)
+        return StepResult(tokens.tolist(), chosen, tops, requests)
 
 
 def prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:

@@ -98,11 +98,12 @@ class HostKVPool:
         self.v = [torch.empty(shape, dtype=cache.dtype, pin_memory=self.pin) for _ in range(cache.num_layers)]
         self._staging: list[torch.Tensor] = []  # per layer, K then V: [pages, page, heads, dim]
         self.node: Any = None  # the node pool's client (`workers/kv/node_client.py`), if any
+        self.short_pulls: list[tuple[KVTransfer, int]] = []  # of the last `execute`
 
     def write_page(self, host_block: int, page: torch.Tensor) -> None:
         """Host page `host_block` of every layer from one page's bytes ([2, layers, page_size,
-        kv_heads, head_dim] as uint8). Safe while planning a step: every transfer of the last
-        plan has completed (`execute` waits for its copies) and none of this plan has run."""
+        kv_heads, head_dim] as uint8): a `pull`, run in order with the plan's other transfers
+        (a restore of the page comes after it)."""
         shape = (2, self.cache.num_layers, *self.k[0].shape[1:])
         kv = page.view(self.cache.dtype).view(shape)
         for layer in range(self.cache.num_layers):
@@ -144,12 +145,20 @@ class HostKVPool:
         self.copies.fence().synchronize()  # `staging` has been read: it may be written again
 
     def execute(self, transfers: list[KVTransfer]) -> None:
-        """Run a step plan's copies in order; they are complete when this returns."""
+        """Run a step plan's copies in order; they are complete when this returns. Pulls that
+        copied fewer pages than planned are left in `short_pulls`, with the pages copied."""
+        self.short_pulls = []
         for transfer in transfers:
             if transfer.kind == "offload":
                 self.offload(list(transfer.device_blocks), list(transfer.host_blocks))
             elif transfer.kind == "restore":
                 self.restore(list(transfer.device_blocks), list(transfer.host_blocks))
+            elif transfer.kind == "pull":  # verified page by page: one changed since it was planned is a miss
+                planned = len(transfer.host_blocks)
+                copied = self.node.pull(list(transfer.tokens), transfer.first_page, planned,
+                                        list(transfer.host_blocks), transfer.cache_salt)
+                if copied < planned:
+                    self.short_pulls.append((transfer, copied))
             else:  # export: a preempted request's pages, to the node pool
                 self.node.publish(list(transfer.tokens), list(transfer.device_blocks), 0, len(transfer.device_blocks),
                                   transfer.cache_salt)

@@ -68,6 +68,19 @@ class NodePoolClient:
     def _parent(keys: list[int], page: int, root: int) -> int:
         return keys[page - 1] if page else root
 
+    def holds(self, tokens: list[int], first_page: int, num_pages: int, cache_salt: str | None = None) -> int:
+        """How many of pages `first_page`, `first_page + 1`, ... of `tokens` (up to `num_pages`)
+        the pool holds now, in a row: what the scheduler plans to pull (no copy; `pull` verifies)."""
+        if not self._live():
+            return 0
+        root = chain_root(self.salt, cache_salt)
+        keys = chain_keys(tokens, self.page_size, first_page + num_pages, root)
+        held = 0
+        while held < num_pages and self.pool.holds(keys[first_page + held],
+                                                   self._parent(keys, first_page + held, root)):
+            held += 1
+        return held
+
     def pull(self, tokens: list[int], first_page: int, num_pages: int, host_blocks: list[int],
              cache_salt: str | None = None) -> int:
         if not self._live():

@@ -1,0 +1,75 @@
+"""The sampler alone, on fake logits (no model): greedy and seeded draws, log-probabilities and
+top pairs under the distribution drawn from, and a faulted row that draws nothing while the
+others draw as they would alone. Its output is the `StepResult` the scheduler takes."""
+
+from __future__ import annotations
+
+import torch
+
+from cbserve.errors import RequestFault
+from cbserve.scheduler.request import Request, SamplingParams
+from cbserve.scheduler.scheduler import StepResult
+from cbserve.workers.sampler import Sampler
+
+VOCAB = 12
+
+
+def request(rid: str, **sampling) -> Request:
+    return Request(rid, [1, 2, 3], 8, frozenset(), SamplingParams(**sampling))
+
+
+def logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_rows_take_the_argmax_with_its_logprob_and_top_pairs() -> None:
+    x = logits(3)
+    requests = [request("a"), request("b", top_logprobs=2), request("c")]
+    result = Sampler(VOCAB, seed=0)(x, requests, want_logprobs=True)
+    assert isinstance(result, StepResult) and result.requests == requests and result.faults == []
+    assert result.tokens == x.argmax(-1).tolist()
+    expected = x.log_softmax(-1)
+    assert result.logprobs == [float(expected[i, t]) for i, t in enumerate(result.tokens)]
+    top = expected[1].topk(2)
+    assert result.top_logprobs[1] == list(zip(top.indices.tolist(), top.values.tolist()))
+    assert result.top_logprobs[0] == result.top_logprobs[2] == []
+
+
+def test_no_logprobs_unless_asked() -> None:
+    result = Sampler(VOCAB, seed=0)(logits(2), [request("a"), request("b")], want_logprobs=False)
+    assert result.logprobs is None and result.top_logprobs is None
+
+
+def test_a_seeded_request_draws_the_same_whatever_shares_its_batch() -> None:
+    x = logits(1, seed=3).repeat(3, 1) / 10  # flat rows: the draws differ
+    alone = Sampler(VOCAB)(x[:1], [request("s", do_sample=True, seed=42)], False).tokens[0]
+    sampler = Sampler(VOCAB, seed=1)
+    seeded = [request(f"s{i}", do_sample=True, seed=42) for i in range(2)]
+    together = sampler(x, [request("other", do_sample=True), *seeded], False).tokens
+    assert together[1] == together[2] == alone
+    later = [sampler(x[:1], [seeded[0]], False).tokens[0] for _ in range(20)]  # its own generator goes on
+    replay_request, fresh = request("s0", do_sample=True, seed=42), Sampler(VOCAB, seed=9)
+    replay = [fresh(x[:1], [replay_request], False).tokens[0] for _ in range(21)]
+    assert [together[1], *later] == replay and len(set(replay)) > 1
+
+
+def test_sampled_logprobs_are_under_the_processed_distribution() -> None:
+    x = logits(1, seed=5)
+    r = request("t", do_sample=True, temperature=0.5, top_k=3, seed=0)
+    result = Sampler(VOCAB)(x, [r], want_logprobs=True)
+    kept = x[0] / 0.5
+    kept[kept < kept.topk(3).values[-1]] = float("-inf")
+    assert result.tokens[0] in x[0].topk(3).indices.tolist()
+    assert result.logprobs[0] == float(kept.log_softmax(-1)[result.tokens[0]])
+
+
+def test_a_faulted_row_draws_nothing_and_the_others_draw_as_alone() -> None:
+    x = logits(3, seed=7)
+    blocked = request("blocked", suppress_tokens=tuple(range(VOCAB)))  # no token left to draw
+    a, b = request("a", top_logprobs=1), request("b")
+    result = Sampler(VOCAB)(x, [a, blocked, b], want_logprobs=True)
+    [(faulted, fault)] = result.faults
+    assert faulted is blocked and isinstance(fault, RequestFault) and fault.field == "suppress_tokens"
+    assert result.requests == [a, b]
+    alone = Sampler(VOCAB)(x[[0, 2]], [request("a", top_logprobs=1), request("b")], want_logprobs=True)
+    assert (result.tokens, result.logprobs, result.top_logprobs) == (alone.tokens, alone.logprobs, alone.top_logprobs)
