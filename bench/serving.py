@@ -108,14 +108,14 @@ def start_engine(cfg: Any, threads: int, num_pages: int | None = None) -> tuple[
 
     import cbserve
     from cbserve.cluster.engine_replica import engine_config, eos_ids
+    from cbserve.config import with_fields
 
     torch.set_num_threads(threads)
     model, tokenizer = cbserve.load_model(cfg.model, dtype=cfg.dtype)
     eos = eos_ids(model, tokenizer)
     manager = cbserve.init_continuous_batching(
         model, generation_config=GenerationConfig(max_new_tokens=cfg.generation.max_tokens, eos_token_id=eos),
-        continuous_batching_config=cbserve.ContinuousBatchingConfig(
-            **{**engine_config(cfg), **({"num_blocks": num_pages} if num_pages else {})}),
+        continuous_batching_config=with_fields(engine_config(cfg), **({"num_blocks": num_pages} if num_pages else {})),
     )
     manager.start()
     return manager, tokenizer, eos

@@ -198,6 +198,12 @@ class ContinuousBatchingConfig(BaseModel):
         return DEFAULT_SAFETY_MARGIN[self.scheduler]
 
 
+def with_fields(config: ContinuousBatchingConfig, **fields: Any) -> ContinuousBatchingConfig:
+    """A new config: `config`'s fields with `fields` set, validated together (the cross-field rules,
+    such as node_kv_pool's need of cpu_offload_space, see the new values at once)."""
+    return ContinuousBatchingConfig.model_validate({**config.model_dump(exclude_unset=True), **fields})
+
+
 # transformers' ContinuousBatchingConfig fields with no counterpart here, and why they change nothing.
 TRANSFORMERS_ONLY_FIELDS = {
     "drop_unsupported_processors": "cbserve honours every GenerationConfig field transformers' engine does and "

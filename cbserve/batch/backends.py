@@ -18,7 +18,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
+from cbserve.cluster.settings import MODEL_PROCESS_ENV, ClusterArgs, runtime_env
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.errors import error_event
 from cbserve.serving.protocol import WorkerRequest
@@ -59,7 +59,7 @@ def _task_failure(where: str, exc: Exception) -> Exception:
 class EngineActor:
     """A Ray actor (made one in `EnginePool.start`) owning one `EngineReplica`."""
 
-    def __init__(self, args: dict[str, Any]):
+    def __init__(self, args: ClusterArgs):
         from cbserve.cluster.engine_replica import EngineReplica
 
         self._replica = EngineReplica(args)
@@ -87,7 +87,7 @@ class EnginePool:
 
     def __init__(
         self,
-        args: dict[str, Any],
+        args: ClusterArgs,
         replicas: int,
         tp_size: int,
         cpus_per_rank: float,

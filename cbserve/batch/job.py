@@ -49,7 +49,7 @@ def make_backend(opts: BatchOptions) -> tuple[Backend, RequestDefaults]:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.tp_size else 0.0
         args = args.model_copy(update={"worker": args.worker.model_copy(update={"num_gpus": gpus})})
     w = args.worker
-    pool = EnginePool(args.model_dump(mode="json"), opts.replicas, args.tp_size, w.num_cpus, w.num_gpus)
+    pool = EnginePool(args, opts.replicas, args.tp_size, w.num_cpus, w.num_gpus)
     if opts.concurrency:
         pool.default_concurrency = opts.concurrency
     defaults = RequestDefaults(

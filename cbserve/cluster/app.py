@@ -142,9 +142,12 @@ def largest_node_cpus() -> float | None:
         return None
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
-    cfg = with_cpus(ClusterArgs(**(args or {})), largest_node_cpus())
-    plain = cfg.model_dump(mode="json")
+def build_app(args: dict[str, Any] | ClusterArgs | None = None) -> Application:
+    """The app for `args`: `applications[].args` of a Serve config (plain data, parsed here, once),
+    or `ClusterArgs` already parsed. Every deployment gets the parsed object (Ray pickles `.bind()`'s
+    arguments), never a dump to parse again."""
+    parsed = args if isinstance(args, ClusterArgs) else ClusterArgs(**(args or {}))
+    cfg = with_cpus(parsed, largest_node_cpus())
     board = serve.deployment(StatsBoard).options(
         name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
         logging_config={"enable_access_log": False},  # replicas report every stats period
@@ -153,8 +156,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 cfg.tp_size, cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)", cfg.worker.num_cpus,
                 "in the worker" if cfg.ingress_in_worker else "own deployment")
     if cfg.ingress_in_worker:
-        return serve.deployment(IngressWorker).options(**colocated_options(cfg)).bind(plain, board)
-    replicas = serve.deployment(EngineDeployment).options(**worker_options(cfg)).bind(plain, board)
+        return serve.deployment(IngressWorker).options(**colocated_options(cfg)).bind(cfg, board)
+    replicas = serve.deployment(EngineDeployment).options(**worker_options(cfg)).bind(cfg, board)
     return serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         num_replicas=cfg.ingress_replicas,
@@ -162,4 +165,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # on a busy node (streams, and the cancellation of the ones whose clients left).
         ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env(MODEL_PROCESS_ENV)},
         max_ongoing_requests=10_000,
-    ).bind(replicas, board, plain)
+    ).bind(replicas, board, cfg)

@@ -144,11 +144,10 @@ class IngressWorker(OpenAIIngress):
     """The `LLMWorker` deployment with the ingress inside: HTTP/gRPC routes of `OpenAIIngress`,
     and the `EngineReplica` methods that handles, Serve's controller and the batch job call."""
 
-    async def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
+    async def __init__(self, args: ClusterArgs, board: DeploymentHandle | None = None):
         # On Serve's main loop (`settings.MODEL_REPLICA_ENV`): the model loads in a worker thread.
         self.engine = await asyncio.to_thread(EngineReplica, args, board)
-        worker = ClusterArgs(**args).worker
-        await super().__init__(LocalReplicas(self.engine, worker), board, args)
+        await super().__init__(LocalReplicas(self.engine, args.worker), board, args)
 
     async def generate(self, req: WorkerRequest) -> AsyncIterator[WorkerEvent]:
         async for ev in self.engine.generate(req):

@@ -27,6 +27,7 @@ from cbserve.cluster.autoscaling import KV_USAGE, RUNNING, WAITING
 from cbserve.cluster.offload import offload_settings
 from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
 from cbserve.cluster.tp_ranks import RankGroup, load_on_device
+from cbserve.config import ContinuousBatchingConfig, with_fields
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
 from cbserve.serving.constraints import Grammars
@@ -59,15 +60,14 @@ def per_replica_resources(args: ClusterArgs) -> dict[str, float]:
     return {"CPU": cpus_per_rank(args) * args.tp_size, "GPU": w.num_gpus * args.tp_size}
 
 
-def engine_config(args: ClusterArgs) -> dict[str, Any]:
-    """`ContinuousBatchingConfig` fields of one replica: `args.engine` and what the cluster sets."""
+def engine_config(args: ClusterArgs) -> ContinuousBatchingConfig:
+    """The engine config of one replica: `args.engine` with what the cluster sets."""
     tp = args.tp_size
-    engine = dict(args.engine)
-    engine.update(per_request_processors=True, return_logprobs=True, tp_size=tp)
-    engine.update(offload_settings(args.cpu_offload, per_replica_resources(args), max_replicas(args)))
+    fields: dict[str, Any] = {"per_request_processors": True, "return_logprobs": True, "tp_size": tp}
+    fields.update(offload_settings(args.cpu_offload, per_replica_resources(args), max_replicas(args)))
     if tp > 1:  # the replica and its rank actors join their group themselves (`tp_ranks.py`)
-        engine["tp_launcher"] = "external"
-    return engine
+        fields["tp_launcher"] = "external"
+    return with_fields(args.engine, **fields)
 
 
 def _budget_threads(args: ClusterArgs) -> None:
@@ -94,20 +94,20 @@ def _replica_id() -> str:
 class EngineReplica:
     """One model and its manager; served as `EngineDeployment` (or inside `IngressWorker`)."""
 
-    def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
+    def __init__(self, args: ClusterArgs, board: DeploymentHandle | None = None):
         from transformers import GenerationConfig
 
         import cbserve
 
-        self.args = with_cpus(ClusterArgs(**args))  # build_app gave a number; else this node's CPUs
+        self.args = with_cpus(args)  # build_app gave a number; else this node's CPUs
         self._board = board
         self.ranks: RankGroup | None = None
         self.replica = _replica_id()
         self.stopping = False  # end_streams() was called: the server is going away
         self._streams: set[str] = set()  # request ids of the streams running here
         engine = engine_config(self.args)
-        self.offload_gib = engine["cpu_offload_space"]
-        self.node_kv_pool = engine.get("node_kv_pool")
+        self.offload_gib = engine.cpu_offload_space
+        self.node_kv_pool = engine.node_kv_pool
         _budget_threads(self.args)
         if self.args.tp_size > 1:  # the other ranks load their copy while this one does
             w = self.args.worker
@@ -120,7 +120,7 @@ class EngineReplica:
         self.manager = cbserve.init_continuous_batching(
             model,
             generation_config=GenerationConfig(max_new_tokens=self.args.generation.max_tokens, eos_token_id=eos),
-            continuous_batching_config=cbserve.ContinuousBatchingConfig(**engine),
+            continuous_batching_config=engine,
         )
         self.manager.start()
         self.info = ModelInfo(
@@ -246,7 +246,7 @@ class EngineDeployment(EngineReplica):
     `__del__`: loading the model and stopping the engine go to a worker thread, so that the loop
     keeps answering Serve's controller (and keeps streaming the last requests) meanwhile."""
 
-    async def __init__(self, args: dict[str, Any], board: DeploymentHandle | None = None):
+    async def __init__(self, args: ClusterArgs, board: DeploymentHandle | None = None):
         await asyncio.to_thread(super().__init__, args, board)
 
     async def __del__(self) -> None:

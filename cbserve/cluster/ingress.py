@@ -116,8 +116,8 @@ class OpenAIIngress:
     # API key -> its tenant (empty: no key needed, also for a handler built without __init__).
     _api_keys: Mapping[str, str] = MappingProxyType({})
 
-    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: dict[str, Any]):
-        self.args = ClusterArgs(**args)
+    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: ClusterArgs):
+        self.args = args
         self._replicas = replicas  # the engine replicas' deployment
         self._generate = replicas.options(stream=True, method_name="generate")
         self._board = board

@@ -9,8 +9,9 @@ import math
 import os
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator, model_validator
 
+from cbserve.config import ContinuousBatchingConfig
 from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -19,6 +20,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 RESERVED_CPUS = 0.5
 API_KEY_ENV = "CBSERVE_API_KEY"
 DEFAULT_STAGING_GIB = 0.25  # cpu_offload.staging_gib
+# ContinuousBatchingConfig fields each replica sets from the top-level settings (tp_size, cpu_offload).
+CLUSTER_OWNED_ENGINE_FIELDS = ("tp_size", "tp_launcher", "cpu_offload_space", "node_kv_pool")
 
 
 class CpuOffloadConfig(Strict):
@@ -48,7 +51,7 @@ class CpuOffloadConfig(Strict):
 
     @model_validator(mode="after")
     def _node_pool_settings_used(self) -> CpuOffloadConfig:
-        # By value, not by fields set: the args reach each replica as a dump with every default in it.
+        # By value, not by fields set: a dump of the args (every default written out) reads back.
         if self.staging_gib != DEFAULT_STAGING_GIB and not self.node_pool:
             raise ValueError("cpu_offload.staging_gib is used only with node_pool: true")
         if self.node_pool and self.per_node_gib == 0 and not any(self.by_node.values()):
@@ -133,7 +136,10 @@ class ClusterArgs(Strict):
                                "else float32 (ray_config.yaml's choice); float32 is the default of build_app"
     )
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per worker replica")
-    engine: dict[str, Any] = Field(default_factory=dict, description="ContinuousBatchingConfig fields")
+    engine: ContinuousBatchingConfig = Field(
+        default_factory=ContinuousBatchingConfig, description="the engine's settings; each replica adds the fields "
+        "the cluster owns (CLUSTER_OWNED_ENGINE_FIELDS, `engine_replica.engine_config`)"
+    )
     generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
@@ -154,14 +160,24 @@ class ClusterArgs(Strict):
         False, description="True: GET /metrics needs the API key too (only /health stays open)"
     )
 
-    @model_validator(mode="after")
-    def _check_engine(self) -> ClusterArgs:
-        from cbserve.config import ContinuousBatchingConfig
+    @field_serializer("engine")
+    def _engine_as_given(self, engine: ContinuousBatchingConfig, info: FieldSerializationInfo) -> dict[str, Any]:
+        # The fields the YAML set, not every default: the cluster-owned ones among those would be
+        # refused when the dump is read back (a dump of the args is the args again).
+        return engine.model_dump(mode=info.mode, exclude_unset=True)
 
-        for owned in ("tp_size", "tp_launcher", "cpu_offload_space", "node_kv_pool"):
-            if owned in self.engine:
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_leaves_out_the_cluster_fields(cls, value: Any) -> Any:
+        # Before the engine's own checks, which would otherwise name a rule of the field instead.
+        given = value.model_fields_set if isinstance(value, ContinuousBatchingConfig) else value
+        for owned in CLUSTER_OWNED_ENGINE_FIELDS:
+            if isinstance(given, (dict, set)) and owned in given:
                 raise ValueError(f"engine.{owned} is set by the cluster; use the top-level setting instead")
-        ContinuousBatchingConfig(**self.engine)  # fail at deploy time, naming the field
+        return value
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> ClusterArgs:
         if self.cpu_offload.node_pool and self.tp_size > 1:
             raise ValueError(f"cpu_offload.node_pool works with tp_size 1 only, got tp_size {self.tp_size}")
         return self

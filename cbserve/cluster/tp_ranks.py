@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from cbserve.cluster.settings import MODEL_PROCESS_ENV, runtime_env
+from cbserve.config import ContinuousBatchingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +62,19 @@ class TPRank:
     def ping(self) -> int:
         return self.rank
 
-    def follow(self, address: str, port: int, world: int, engine: dict[str, Any]) -> str:
+    def follow(self, address: str, port: int, world: int, engine: ContinuousBatchingConfig) -> str:
         """Join the group, then run every step rank 0 broadcasts until it shuts down."""
-        from cbserve.config import ContinuousBatchingConfig
         from cbserve.workers.parallel.launch import join_rendezvous, serve_tensor_parallel_rank
 
         join_rendezvous(address, port, self.rank, world, _device(), JOIN_TIMEOUT_S)
-        serve_tensor_parallel_rank(self.model, ContinuousBatchingConfig(**engine))
+        serve_tensor_parallel_rank(self.model, engine)
         return f"rank {self.rank} done"
 
 
 class RankGroup:
     """Starts ranks 1..N-1 in the current placement group; `join` makes this process rank 0."""
 
-    def __init__(self, model_name: str | None, dtype_name: str, world: int, engine: dict[str, Any],
+    def __init__(self, model_name: str | None, dtype_name: str, world: int, engine: ContinuousBatchingConfig,
                  num_cpus: float, num_gpus: float, name: str | None = None):
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

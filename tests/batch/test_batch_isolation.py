@@ -31,6 +31,7 @@ from cbserve.batch.io import OutputInUseError, OutputLock
 from cbserve.batch.job import BatchJob, BatchOptions
 from cbserve.batch.requests import RequestDefaults
 from cbserve.batch.schema import record_key
+from cbserve.cluster.settings import ClusterArgs
 from cbserve.serving.protocol import WorkerRequest
 from cbserve.serving.replies import ChoiceResult
 from tests.support.cluster import tiny_model_dir
@@ -40,8 +41,8 @@ ENGINE = {"page_size": 8, "num_blocks": 256, "max_batch_tokens": 128}
 BIG = 16 << 20  # bytes of a big line's metadata: writing its record takes long enough to be cut
 
 
-def engine_args(model_dir: Path) -> dict[str, Any]:
-    return {"model": str(model_dir), "engine": ENGINE, "worker": {"num_cpus": 1.0}}
+def engine_args(model_dir: Path) -> ClusterArgs:
+    return ClusterArgs(model=str(model_dir), engine=ENGINE, worker={"num_cpus": 1.0})
 
 
 class InProcessEngine:

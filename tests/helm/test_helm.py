@@ -1,7 +1,7 @@
 """The Helm chart `helm/cbserve` (a KubeRay RayService).
 
-Always: the chart's plain YAML files parse, its copy of the Serve config equals `ray_config.yaml`,
-and `values.yaml` has the documented keys.
+Always: the chart's plain YAML files parse, its copy of the Serve config (`make chart-config`)
+equals `ray_config.yaml`, and `values.yaml` has the documented keys.
 
 With Helm (its Go SDK, from the `helm-python-sdk` package: `pip install helm-python-sdk==0.2.2`):
 `helm lint`, and every template rendered for the default values and for other value sets
@@ -154,7 +154,7 @@ def test_chart_files_are_yaml() -> None:
 def test_serve_config_copy_equals_ray_config() -> None:
     """One source of truth: the chart renders serveConfigV2 from this copy of ray_config.yaml.
 
-    After changing ray_config.yaml: cp ray_config.yaml helm/cbserve/files/serve_config.yaml
+    After changing ray_config.yaml: make chart-config (tests/helm/test_chart_config.py checks it was run).
     """
     assert _load(CHART / "files" / "serve_config.yaml") == _load(RAY_CONFIG)
 
