@@ -19,6 +19,8 @@ MIN_AUTO_BATCH_TOKENS = 256
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
+# One parent request's query tokens per step (`parent_step_tokens`), by device; none elsewhere.
+DEFAULT_PARENT_STEP_TOKENS = {"cpu": 64}
 
 
 class ContinuousBatchingConfig(BaseModel):
@@ -57,6 +59,17 @@ class ContinuousBatchingConfig(BaseModel):
         "call's n x prompts, requests sharing a parent_id) may hold in the running set, so that others are "
         "always admitted (scheduler/fair_share.py); 1.0: no cap"
     )
+    parent_step_tokens: int | None = Field(
+        None, ge=0, description="most query tokens one parent request's choices take in one step (beyond its first "
+        "one's, so a lone request's prefill chunk is not cut); on a CPU a step's "
+        "time grows with its tokens and a newcomer waits for the step in flight, so this bounds its wait behind a "
+        "fan-out. None: 64 on a CPU, no cap on a GPU (whose step time hardly grows with its rows); 0: no cap"
+    )
+    held_step_tokens: int | None = Field(
+        4, ge=1, description="while a newcomer (a tenant or parent request with no first token yet) could be "
+        "admitted and is owed no less (fair_share.py), the other tenants, and the other parents of its tenant, take "
+        "at most this many query tokens per step, so that the newcomer's first step is short; None: never held"
+    )
     priority_scheduling: bool = Field(
         False, description="honour requests' priority (vLLM's: lower runs first, before any fair share); False: a "
         "priority other than 0 is refused, as vLLM does without --scheduling-policy priority (clients could "
@@ -68,7 +81,7 @@ class ContinuousBatchingConfig(BaseModel):
     auto_switch_to_flash: bool = True
     attention_backend: Literal["auto", "cpu", "sdpa", "triton", "flash", "reference"] = Field(
         "auto", description="auto: flash, else triton on CUDA; the C++ decode kernel (cpu), else sdpa, on a CPU "
-        "(see kernels/backends.py)"
+        "(see kernels/attention_backends.py)"
     )
     prepack_weights: bool | None = Field(
         None, description="linear weights packed once for oneDNN on a CPU (a second copy while the engine "
@@ -190,6 +203,11 @@ class ContinuousBatchingConfig(BaseModel):
             raise ValueError("batch_invariant=True runs on the CPU backend: use_cuda_graph and use_async_batching "
                              "must be off")
         return self
+
+    def resolved_parent_step_tokens(self, device_type: str) -> int | None:
+        if self.parent_step_tokens is None:
+            return DEFAULT_PARENT_STEP_TOKENS.get(device_type)
+        return self.parent_step_tokens or None
 
     @property
     def resolved_safety_margin(self) -> float:

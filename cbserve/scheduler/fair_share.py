@@ -123,3 +123,64 @@ def _interleave(requests: list[Request], group_of: Callable[[Request], Any],
     tagged = _tagged(by_priority, group_of, accounts)
     tagged.sort(key=lambda t: t[0])
     return [r for _, r in tagged]
+
+
+class StepLimits:
+    """Query tokens that each parent request and tenant may still take in one step.
+
+    On a CPU a step's time grows with its tokens, and a newcomer waits for the step in flight and
+    then for its own: so one parent's choices take at most `parent_tokens` per step, bar its first
+    row (a lone request's prefill chunk is not cut; None: no cap), and while a newcomer (a tenant or parent none of whose requests has its first token yet) could
+    be admitted and is owed no less (its priority and charge are not above the other's), the other
+    tenants, and the other parents of its tenant, take at most `held_tokens` (None: never held)."""
+
+    def __init__(self, shares: FairShare, parent_tokens: int | None, held_tokens: int | None,
+                 newcomers: Iterable[Request], started: Iterable[Request]) -> None:
+        self.shares, self.parent_tokens, self.held_tokens = shares, parent_tokens, held_tokens
+        self.used: dict[Any, int] = {}  # ("t", tenant) or ("p", tenant, parent) -> tokens this step
+        self._held: dict[Any, bool] = {}
+        going = {(r.tenant, r.parent_id) for r in started}
+        tenants_going = {t for t, _ in going}
+        self._tenants: dict[str, tuple[int, int]] = {}  # newcomer tenant -> least (priority, charge)
+        self._parents: dict[str, dict[str | None, tuple[int, int]]] = {}  # tenant -> newcomer parent -> ...
+        for r in newcomers if held_tokens is not None else ():
+            if r.tenant not in tenants_going:
+                _least(self._tenants, r.tenant, (r.priority, shares.tenant(r).charged))
+            if (r.tenant, r.parent_id) not in going:
+                _least(self._parents.setdefault(r.tenant, {}), r.parent_id, (r.priority, shares.parent(r).charged))
+
+    def room(self, request: Request, wanted: int) -> int:
+        """How many of `wanted` tokens the request may take now."""
+        room = wanted
+        used = self.used.get(("p", request.tenant, request.parent_id), 0)
+        if used and request.parent_id is not None and self.parent_tokens is not None:  # its first row is free
+            room = min(room, self.parent_tokens - used)
+        for level, key in (("t", ("t", request.tenant)), ("p", ("p", request.tenant, request.parent_id))):
+            if self._held_at(level, request):
+                room = min(room, self.held_tokens - self.used.get(key, 0))
+        return max(0, room)
+
+    def take(self, request: Request, tokens: int) -> None:
+        for key in (("t", request.tenant), ("p", request.tenant, request.parent_id)):
+            self.used[key] = self.used.get(key, 0) + tokens
+
+    def _held_at(self, level: str, request: Request) -> bool:
+        key = (level, request.tenant, request.parent_id, request.priority)
+        if key not in self._held:
+            self._held[key] = self._owed(level, request)
+        return self._held[key]
+
+    def _owed(self, level: str, request: Request) -> bool:
+        """Whether a newcomer of another tenant (level "t"), or of another parent of the request's
+        tenant ("p"), is owed no less than the request's own tenant or parent."""
+        if level == "t":
+            own = (request.priority, self.shares.tenant(request).charged)
+            return any(t != request.tenant and k <= own for t, k in self._tenants.items())
+        own = (request.priority, self.shares.parent(request).charged)
+        peers = self._parents.get(request.tenant, {})
+        return any(p != request.parent_id and k <= own for p, k in peers.items())
+
+
+def _least(table: dict, key: Any, value: tuple[int, int]) -> None:
+    if key not in table or value < table[key]:
+        table[key] = value

@@ -14,7 +14,9 @@ freeing their pages. The engine only runs the plan's copies, the model and the s
 Between tenants and parent requests the engine is shared fairly (`fair_share.py`): waiting
 requests are admitted, and running ones given the step's tokens, least charged tenant and parent
 first, after `priority`; one parent's choices take at most `parent_share` of `max_requests` in
-the running set, so there is always room to admit another request.
+the running set, so there is always room to admit another request, and at most
+`parent_step_tokens` of a step; while a newcomer is owed its first token, the others take at most
+`held_step_tokens` of the step (`StepLimits`), so that its first step is short.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
-from cbserve.scheduler.fair_share import FairShare
+from cbserve.scheduler.fair_share import FairShare, StepLimits
 from cbserve.scheduler.host_pages import HostPages, KVTransfer
 from cbserve.scheduler.request import Request
 
@@ -76,6 +78,8 @@ class Scheduler:
         host_pages: HostPages | None = None,
         parent_share: float = 1.0,
         release_window: int | None = None,
+        parent_step_tokens: int | None = None,
+        held_step_tokens: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -88,6 +92,8 @@ class Scheduler:
         self.shares = FairShare()
         # Running choices of one parent request (requests without a parent id are not capped).
         self.max_running_per_parent = max(1, int(parent_share * max_requests))
+        # Query tokens per step: of one parent's choices; of others while a newcomer is owed (`StepLimits`).
+        self.parent_step_tokens, self.held_step_tokens = parent_step_tokens, held_step_tokens
         self._transfers: list[KVTransfer] = []
         # With sliding-window layers only: how far back a query sees (pages before are released).
         self.release_window = release_window
@@ -133,19 +139,21 @@ class Scheduler:
         prefills = [r for r in ranked if r.num_pending > 1]
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
         scheduled: set[int] = set()
+        limits = self._step_limits(ranked)
         for request in order:
             if budget == 0 or len(batch) == self.max_requests:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num = min(request.num_pending, budget)
-            if not self._allocate_or_preempt(request, num, scheduled):
+            num = limits.room(request, min(request.num_pending, budget))
+            if num == 0 or not self._allocate_or_preempt(request, num, scheduled):
                 continue
             batch.append(ScheduledRequest(request, num, num == request.num_pending))
             self.shares.charge(request, num)
+            limits.take(request, num)
             scheduled.add(id(request))
             budget -= num
-        self._admit(batch, budget)
+        self._admit(batch, budget, limits)
         if self.policy == "prefill_first":  # admitted prefills go first
             batch.sort(key=lambda s: s.request.num_pending == 1)
         transfers, self._transfers = self._transfers, []
@@ -231,11 +239,24 @@ class Scheduler:
             return False
         return not (self.running and bm.num_free < self.safety_margin * bm.num_blocks)
 
+    def _step_limits(self, running: list[Request]) -> StepLimits:
+        """This step's `StepLimits`. Newcomers: waiting requests that could be admitted now (not
+        a full parent, room for their pages) and running ones, without a first token yet."""
+        bm = self.block_manager
+        started = [r for r in running if r.generated or r.status == RequestStatus.DECODING]
+        newcomers = []
+        if self.held_step_tokens is not None:
+            newcomers = [r for r in running if not r.generated and r.status != RequestStatus.DECODING]
+            if len(running) < self.max_requests:
+                newcomers += [r for r in self.waiting if not r.generated and not r.num_inflight
+                              and not self._parent_full(r) and bm.pages_needed(r.num_tokens) <= bm.num_free]
+        return StepLimits(self.shares, self.parent_step_tokens, self.held_step_tokens, newcomers, started)
+
     def _parent_full(self, request: Request) -> bool:
         """Its parent request already has its most choices running (room left for others)."""
         return request.parent_id is not None and self.shares.parent(request).running >= self.max_running_per_parent
 
-    def _admit(self, batch: list[ScheduledRequest], budget: int) -> None:
+    def _admit(self, batch: list[ScheduledRequest], budget: int, limits: StepLimits) -> None:
         """Admit waiting requests in fair order (`FairShare.admission_order`) while there is room."""
         if not self.waiting or not self._may_admit(batch, budget):
             return
@@ -247,6 +268,8 @@ class Scheduler:
                 break
             if request.num_inflight or self._parent_full(request):  # a token still on the device: next step
                 continue
+            if not limits.room(request, 1):  # its tenant or parent has had its tokens this step
+                continue
             restored = request.num_offloaded_tokens
             if not restored and not request.wants_prompt_logprobs:  # those recompute cached prompts
                 bm.match_prefix(request)
@@ -255,7 +278,7 @@ class Scheduler:
                     continue
                 restored = self._pull_from_node(request)
             computed = restored or request.num_computed
-            num = min(request.num_tokens - computed, budget)
+            num = limits.room(request, min(request.num_tokens - computed, budget))
             if not bm.allocate(request, computed + num):
                 self._drop_pulled(request)
                 bm.free(request)  # release the prefix pages it matched; it stays in line
@@ -269,6 +292,7 @@ class Scheduler:
             request.status = RequestStatus.PREFILLING
             batch.append(ScheduledRequest(request, num, num == request.num_pending))
             self.shares.charge(request, num)
+            limits.take(request, num)
             in_flight.update(bm.pages_in_flight(request))
             budget -= num
         if admitted:

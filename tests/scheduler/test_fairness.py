@@ -218,9 +218,9 @@ def test_engine_tokens_identical_to_running_alone_and_the_single_request_not_sta
 
 def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tenant() -> None:
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.openai_service import OpenAIService
-    from cbserve.serving.requests import user_tenant
-    from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.front.worker_requests import user_tenant
 
     service = OpenAIService(ClusterArgs(), open_choice=None)
     wreqs = service.completion_requests(CompletionRequest(prompt=["a", "b"], n=3, priority=-2, user="alice"), "cmpl-1")
@@ -233,8 +233,8 @@ def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tena
     with pytest.raises(ValueError, match="priority"):
         CompletionRequest(prompt="a", priority=2**63)
     # A request that is no API call's choice (gRPC, a batch line) is a parent of its own.
+    from cbserve.serving.front.worker_requests import worker_request
     from cbserve.serving.protocol import Sampling
-    from cbserve.serving.requests import worker_request
 
     assert worker_request("grpc-1", [], Sampling(), prompt="x").sampling.parent_id == "grpc-1"
 
@@ -244,8 +244,8 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     from cbserve.cluster.ingress import OpenAIIngress
     from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.front.worker_requests import key_tenant, user_tenant
     from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
-    from cbserve.serving.requests import key_tenant, user_tenant
 
     args = ClusterArgs(api_key="k1", api_keys=["k2", "k1"])
     assert args.resolved_api_keys() == ["k1", "k2"]
@@ -282,3 +282,98 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
     ingress._api_keys = {}
     assert asyncio.run(call(None))
     assert sent[-1].sampling.tenant == user_tenant("bob")
+
+
+# -- per-step limits (StepLimits): a newcomer's first step is short ------------------------------
+
+
+def limited(parent_step_tokens: int | None = None, held_step_tokens: int | None = 4, **kw) -> Scheduler:
+    s = scheduler(**kw)
+    s.parent_step_tokens, s.held_step_tokens = parent_step_tokens, held_step_tokens
+    return s
+
+
+def tokens_of(batch: list[ScheduledRequest], parent: str) -> int:
+    return sum(sr.num_query_tokens for sr in batch if sr.request.parent_id == parent)
+
+
+@pytest.mark.parametrize("tenant", ["a", "b"])
+def test_a_newcomer_holds_a_decoding_fan_out_to_held_step_tokens_for_its_first_step(tenant: str) -> None:
+    s = limited(max_requests=64)
+    for r in fan_out("big", 512):
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    assert tokens_of(step(s), "big") == 32  # decoding alone: its whole running share
+    single = request("single", tenant=tenant, parent="single")
+    s.add(single)
+    first = step(s)
+    assert single in [sr.request for sr in first] and single.generated  # its first token, in this step
+    assert tokens_of(first, "big") == 4
+    assert tokens_of(step(s), "big") == 32  # the newcomer has its token: nothing held
+
+
+def test_held_step_tokens_none_holds_nothing() -> None:
+    s = limited(held_step_tokens=None, max_requests=64)
+    for r in fan_out("big", 512):
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    s.add(request("single", tenant="b", parent="single"))
+    assert tokens_of(step(s), "big") == 32
+
+
+def test_a_newcomer_owed_less_holds_nothing() -> None:
+    """A newcomer of a lower priority, or one already charged more, is not owed the others' rows."""
+    s = limited(max_requests=64)
+    for r in fan_out("big", 512):
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    s.add(request("late", tenant="b", parent="late", priority=1))
+    assert tokens_of(step(s), "big") == 32
+
+
+def test_two_started_fan_outs_do_not_hold_each_other() -> None:
+    s = limited(parent_step_tokens=16, max_requests=64)
+    for r in fan_out("x", 100, tenant="a") + fan_out("y", 100, tenant="b"):
+        s.add(r)
+    for _ in range(4):
+        step(s)
+    batch = step(s)
+    assert tokens_of(batch, "x") == tokens_of(batch, "y") == 16
+
+
+def test_parent_step_tokens_caps_a_fan_out_alone_but_not_a_lone_request() -> None:
+    s = limited(parent_step_tokens=16, held_step_tokens=None, max_batch_tokens=512, max_requests=64)
+    for r in fan_out("big", 100):
+        s.add(r)
+    for _ in range(5):
+        assert 0 < tokens_of(step(s), "big") <= 16 + 16  # its first row (a whole 16-token prompt) and 16 more
+    lone = limited(parent_step_tokens=16, held_step_tokens=None, max_batch_tokens=512)
+    long_prompt = request("long", prompt_len=300, parent="long")
+    lone.add(long_prompt)
+    assert tokens_of(step(lone), "long") == 300  # one request's prefill chunk is never cut
+
+
+def test_fifo_order_unchanged_for_one_tenant_without_parent_ids() -> None:
+    """The Python API (one tenant, no parent ids): the same plans, step for step, as with no limits."""
+    def plans(s: Scheduler) -> list[list[tuple[str, int]]]:
+        for i in range(60):
+            s.add(request(f"r{i}", prompt_len=5 + (i * 7) % 40, max_new=3 + i % 11))
+        out = []
+        while s.has_work:
+            out.append([(sr.request.request_id, sr.num_query_tokens) for sr in step(s)])
+        return out
+
+    assert plans(limited(parent_step_tokens=8, held_step_tokens=1, max_batch_tokens=64, max_requests=8)) == \
+        plans(scheduler(max_batch_tokens=64, max_requests=8))
+
+
+def test_step_limits_config_defaults_by_device() -> None:
+    config = cbserve.ContinuousBatchingConfig()
+    assert config.resolved_parent_step_tokens("cpu") == 64 and config.resolved_parent_step_tokens("cuda") is None
+    assert cbserve.ContinuousBatchingConfig(parent_step_tokens=0).resolved_parent_step_tokens("cpu") is None
+    assert config.held_step_tokens == 4
+    with pytest.raises(ValueError, match="held_step_tokens"):
+        cbserve.ContinuousBatchingConfig(held_step_tokens=0)
