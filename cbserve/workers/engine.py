@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
 from cbserve.errors import RequestFault
-from cbserve.kernels import attention_backends, packed_linear
+from cbserve.kernels import backends, packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
@@ -145,7 +145,7 @@ class EngineCore:
     def _build_runner(self, sizes) -> None:
         """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
         cfg, model = self.config, self.model
-        self.attention_backend = attention_backends.select(cfg.attention_backend, self.device, cfg.page_size,
+        self.attention_backend = backends.select(cfg.attention_backend, self.device, cfg.page_size,
                                                  cfg.auto_switch_to_flash, cfg.batch_invariant)
         self._previous_attn = model_sharing.take_attention(model, self)
         forward = CompiledForward(
@@ -154,7 +154,7 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
         )
-        kernels = attention_backends.kernels(self.attention_backend, cfg.batch_invariant)
+        kernels = backends.kernels(self.attention_backend, cfg.batch_invariant)
         self.runner = ModelRunner(model, self.cache, forward, kernels, sizes.fast_path_width)
         self.runner.graphs = build_step_graphs(cfg, self.runner, self.attention_backend, sizes.max_requests,
                                                sizes.max_batch_tokens)
@@ -269,31 +269,6 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
-
-    # -- what the manager's loop asks (it uses no part of the engine directly) ------------------
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests admitted and not scheduled yet (what `max_queue_size` bounds, with the inbox)."""
-        return len(self.scheduler.waiting)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.shape.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.shape.max_context
-
-    @property
-    def needs_warmup(self) -> bool:
-        """Whether the first steps capture CUDA graphs or compile code (what a warmup does ahead)."""
-        return self.runner.graphs is not None or self.runner.forward.enabled
-
-    def free_cache(self) -> None:
-        """Free the KV cache's memory for good (a destroyed manager)."""
-        self.cache.k.clear()
-        self.cache.v.clear()
 
     # -- the step ----------------------------------------------------------------------------
 
