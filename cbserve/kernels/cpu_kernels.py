@@ -1,6 +1,7 @@
 """The C++ kernels for CPUs, built on first use: paged attention (`csrc/paged_attention_cpu.cpp`:
-decode rows and packed varlen rows, read straight from the pages) and linear layers on
-panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`).
+decode rows and packed varlen rows, read straight from the pages), linear layers on
+panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`) and the fused elementwise
+parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`).
 
 Each kernel has one path per instruction set (AVX2, AVX-512, AVX-512 BF16; `cpu_isa.py`), each
 compiled with its own target attributes, so the build is the same on every x86-64 machine and the
@@ -33,7 +34,7 @@ from cbserve.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp")]
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.
 CFLAGS = ["-O3", "-fopenmp"]
@@ -143,3 +144,33 @@ def varlen_paged_attention(
         q.contiguous(), k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
         float(scale), int(sliding_window or 0), float(softcap or 0.0), isa or cpu_isa.selected(),
     )
+
+
+def layer_ops_isa(isa: str | None = None) -> str:
+    """The fused layer ops' path: `isa` when given, else ``avx2`` on any CPU with AVX2 (the avx512
+    paths included) and ``generic`` elsewhere."""
+    if isa:
+        return isa
+    return "generic" if cpu_isa.selected() == "generic" else "avx2"
+
+
+def add_rms_norm_(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  isa: str | None = None) -> torch.Tensor:
+    """``residual += x`` in place (x may be None), then RMSNorm(residual) * weight, as transformers'
+    Llama RMSNorm rounds it (float32 / bfloat16)."""
+    load()
+    return torch.ops.cbserve_cpu.add_rms_norm_(x, residual, weight, float(eps), layer_ops_isa(isa))
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+          isa: str | None = None) -> None:
+    """Rotary embedding in place on the first `heads` heads of each row of ``qkv`` ``[T, W]``;
+    cos/sin ``[T, head_dim]`` of qkv's dtype (transformers' rotate-half convention)."""
+    load()
+    torch.ops.cbserve_cpu.rope_(qkv, cos, sin, heads, head_dim, layer_ops_isa(isa))
+
+
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` from ``gate_up`` ``[.., 2I]`` (gate first); returns ``[.., I]``."""
+    load()
+    return torch.ops.cbserve_cpu.silu_mul(gate_up, layer_ops_isa(isa))

@@ -131,26 +131,57 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, batch_invariant
 
 def pack_linears(model: torch.nn.Module, batch_invariant: bool | None = None) -> list[tuple[torch.nn.Module, str]]:
     """Replace every plain `nn.Linear` of `model` (the LM head too) by a `PackedLinear`; returns where,
-    for `unpack`. `batch_invariant=True`: the C++ kernel for every row count (never oneDNN)."""
+    for `unpack`. `batch_invariant=True`: the C++ kernel for every row count (never oneDNN).
+
+    A model that runs the lean forward (`llama_forward.py`) gets its q/k/v and gate/up projections
+    packed as one matrix each (`llama_forward.fused_groups`), which it calls instead of the parts:
+    those keep their own unpacked weights for transformers' forward outside the engine."""
+    from cbserve.kernels import llama_forward
+
     swapped = []
     kind = "cbserve" if batch_invariant else None
+    fused_parts = set()
+    for parent, name, parts in llama_forward.fused_groups(model):
+        setattr(parent, name, _fused(parent, parts, kind))
+        swapped.append((parent, name))
+        fused_parts.update((id(parent), part) for part in parts)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             # Subclasses (quantized, parallel...) keep their forward; hooked modules (tensor
             # parallelism's all-reduce) keep theirs, which would not run on a replacement.
             hooked = child._forward_hooks or child._forward_pre_hooks
-            if type(child) is torch.nn.Linear and not hooked:
+            if type(child) is torch.nn.Linear and not hooked and (id(parent), name) not in fused_parts:
                 setattr(parent, name, PackedLinear(child, kind))
                 swapped.append((parent, name))
     if swapped:
         parent, name = swapped[-1]
         how = getattr(parent, name).extra_repr().split("packed for ")[-1]
-        logger.info("packed %d linear layers' weights for %s", len(swapped), how)
+        logger.info("packed %d linear layers' weights for %s (%d of them fused groups)", len(swapped), how,
+                    sum(1 for _, n in swapped if n in llama_forward.FUSED))
     return swapped
 
 
+def _fused(parent: torch.nn.Module, parts: tuple[str, ...], kind: str | None) -> PackedLinear:
+    """One `PackedLinear` over the concatenated weights of `parent`'s `parts` (their outputs side by
+    side); it keeps no unpacked copy (`unpack_linears` drops it)."""
+    linears = [getattr(parent, p) for p in parts]
+    joined = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                             bias=linears[0].bias is not None, device="meta")
+    joined.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if joined.bias is not None:
+        joined.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    packed = PackedLinear(joined, kind)
+    packed.original = []
+    return packed
+
+
 def unpack_linears(swapped: list[tuple[torch.nn.Module, str]]) -> None:
-    """Put the original `nn.Linear` modules back."""
+    """Put the original `nn.Linear` modules back (and drop the fused groups)."""
+    from cbserve.kernels import llama_forward
+
     for parent, name in swapped:
-        setattr(parent, name, getattr(parent, name).original[0])
+        if name in llama_forward.FUSED:
+            delattr(parent, name)
+        else:
+            setattr(parent, name, getattr(parent, name).original[0])
     swapped.clear()

@@ -6,6 +6,9 @@ static. Explicit `varlen_compile_config` / `decode_compile_config` (torch.compil
 arguments) win over the level. The attention function is excluded from the graph (it holds
 per-step Python control flow); everything between attention calls is compiled and fused.
 
+Eager (no compile config) on a CPU, a Llama model runs `kernels/llama_forward.py`'s lean forward
+on its own weights instead of transformers' (fused projections and elementwise ops; see there).
+
 With static shapes, the token count is padded up to a bucket (a multiple of
 `q_padding_interval_size`, else the next power of two) so that a new step size does not
 recompile; padded rows carry no K/V and are never sampled.
@@ -17,6 +20,8 @@ import logging
 from typing import Any
 
 import torch
+
+from cbserve.kernels import llama_forward
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,11 @@ class CompiledForward:
             path: [torch.compile(fwd, **kwargs) for fwd in self._eager] if kwargs is not None else None
             for path, kwargs in self.configs.items()
         }
+        self.lean = None
+        if not self.enabled:
+            reason = llama_forward.unsupported_reason(model)
+            self.lean = None if reason else llama_forward.LlamaForward(model)
+            logger.info("forward pass: %s", f"transformers' ({reason})" if reason else "the lean Llama forward")
         self.install()
         for path, kwargs in self.configs.items():
             if kwargs is not None:
@@ -106,6 +116,8 @@ class CompiledForward:
         num_sampled = kwargs["logits_to_keep"].numel()
         if self.static(self.path):
             kwargs = self._pad(kwargs)
+        if self.lean is not None:
+            return self.lean(kwargs)[0, :num_sampled]
         return self.model(**kwargs).logits[0, :num_sampled]
 
     def _pad(self, kwargs: dict) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cbserve
-from cbserve.kernels import packed_linear
+from cbserve.kernels import llama_forward, packed_linear
 from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -34,13 +34,19 @@ def test_packed_weights_equal_generate_and_are_given_back(arch: str) -> None:
     packed = []
 
     def setup(engine):
-        packed.extend(m for m in model.modules() if isinstance(m, packed_linear.PackedLinear))
+        packed.extend((name, m) for name, m in model.named_modules() if isinstance(m, packed_linear.PackedLinear))
 
     requests, engine = run_engine(model, prompts, config(), MAX_NEW, setup)
-    assert len(packed) == len(before) > 0  # every projection and lm_head ran packed
+    # Every projection and lm_head ran packed: a fused group (the lean Llama forward's q/k/v and
+    # gate/up) packs its parts' weights side by side.
+    covered = sum(len(llama_forward.FUSED.get(name.rsplit(".", 1)[-1], ("",))) for name, _ in packed)
+    assert covered == len(before) > 0
+    assert sum(m.out_features for _, m in packed) == sum(m.out_features for m in before.values())
+    assert any(name.endswith(llama_forward.QKV) for name, _ in packed) == (arch == "llama")
     assert_matches_reference(requests, refs, tol=1e-4)
     after = linears(model)
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert not any(hasattr(m, llama_forward.QKV) or hasattr(m, llama_forward.GATE_UP) for m in model.modules())
     assert not engine.packed_linears
 
 

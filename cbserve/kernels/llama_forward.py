@@ -1,0 +1,144 @@
+"""A lean forward pass of a Llama model inside the engine's eager CPU steps, on the model's own weights.
+
+transformers' eager Llama layer is ~12 module calls and ~60 ATen ops per token batch: at the row
+counts of decode steps on a CPU each costs more in dispatch than in arithmetic. This one does per layer:
+
+- the residual add + RMSNorm, the rotary embedding (in place on the QKV rows) and silu(gate) * up as
+  one C++ op each (`csrc/layer_ops_cpu.cpp`, float32 / bfloat16), rounding where transformers does;
+- q/k/v and gate/up as one GEMM each when `packed_linear.pack_linears` packed them fused (attributes
+  `cb_qkv_proj` / `cb_gate_up_proj` of the attention / MLP module), else the model's own projections;
+- attention through the engine's paged attention function, called as transformers calls it.
+
+Other dtypes (float64 in the exactness tests) or a CPU without the C++ kernels: the same steps with
+transformers' own norm, rotary and activation functions. Only plain `LlamaForCausalLM`s on a CPU
+(exact module types, SiLU, no hooks: tensor parallelism's all-reduce hooks keep their forward);
+anything else keeps transformers' forward. `$CBSERVE_LEAN_FORWARD=0` turns it off (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from cbserve.kernels import cpu_kernels, paged_attention
+
+ENV = "CBSERVE_LEAN_FORWARD"
+QKV, GATE_UP = "cb_qkv_proj", "cb_gate_up_proj"
+FUSED = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str:
+    """'' when `model` runs the lean forward, else why not."""
+    from transformers.models.llama import modeling_llama as llama
+
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"${ENV}=0"
+    if type(model) is not llama.LlamaForCausalLM or type(model.model) is not llama.LlamaModel:
+        return f"{type(model).__name__} is not a LlamaForCausalLM"
+    if next(model.parameters()).device.type != "cpu":
+        return "the model is not on a CPU"
+    if model.config.hidden_act != "silu" or getattr(model.config, "pretraining_tp", 1) != 1:
+        return "the model's MLP is not SiLU-gated"
+    expected = (llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm)
+    for layer in model.model.layers:
+        if (type(layer), type(layer.self_attn), type(layer.mlp), type(layer.input_layernorm)) != expected:
+            return "a decoder layer is not transformers' Llama layer"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "a module of the model has forward hooks"
+    return ""
+
+
+def fused_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple[str, ...]]]:
+    """(module, fused attribute, projections) for every q/k/v and gate/up group the lean forward can
+    run as one GEMM; empty when the model does not run the lean forward."""
+    if unsupported_reason(model):
+        return []
+    groups = []
+    for layer in model.model.layers:
+        for module, name in ((layer.self_attn, QKV), (layer.mlp, GATE_UP)):
+            parts = [getattr(module, p) for p in FUSED[name]]
+            if all(type(p) is torch.nn.Linear for p in parts) and len({p.in_features for p in parts}) == 1 \
+                    and len({p.bias is None for p in parts}) == 1:
+                groups.append((module, name, FUSED[name]))
+    return groups
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's forward without `nn.Module.__call__` (no hooks: `unsupported_reason`)."""
+    if type(module) is torch.nn.Linear:
+        return torch.nn.functional.linear(x, module.weight, module.bias)
+    return module.forward(x)
+
+
+class LlamaForward:
+    """Called with the runner's forward kwargs; returns the logits of the `logits_to_keep` rows,
+    ``[1, rows, vocab]``, like the model's forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        dtype = next(model.parameters()).dtype
+        self.cpp = dtype in (torch.float32, torch.bfloat16) and not cpu_kernels.unavailable_reason()
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        inner, meta = self.model.model, kwargs["cb_meta"]
+        residual = inner.embed_tokens(kwargs["input_ids"])  # [1, T, hidden]; a new tensor: added to in place
+        cos, sin = inner.rotary_emb(residual, kwargs["position_ids"])  # [1, T, head_dim]
+        rotary = (cos[0].contiguous(), sin[0].contiguous()) if self.cpp else (cos, sin)
+        out = None
+        for layer in inner.layers:
+            x, residual = self.norm(layer.input_layernorm, out, residual)
+            out = self.attention(layer.self_attn, x, rotary, meta)
+            x, residual = self.norm(layer.post_attention_layernorm, out, residual)
+            out = self.mlp(layer.mlp, x)
+        x, _ = self.norm(inner.norm, out, residual)
+        return linear(self.model.lm_head, x[:, kwargs["logits_to_keep"]])
+
+    def norm(self, norm: torch.nn.Module, x: torch.Tensor | None, residual: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); x None: norm(residual)."""
+        if self.cpp:
+            return cpu_kernels.add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon), residual
+        residual = residual if x is None else residual + x
+        return norm(residual), residual
+
+    def attention(self, attn: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                  meta) -> torch.Tensor:
+        t, nh, nkv, d = x.shape[1], self.heads, self.kv_heads, self.head_dim
+        fused = attn._modules.get(QKV)
+        if fused is not None:
+            qkv = linear(fused, x)[0]  # [T, (nh + 2 nkv) d]
+            q, k, v = qkv[:, : nh * d], qkv[:, nh * d : (nh + nkv) * d], qkv[:, (nh + nkv) * d :]
+        else:
+            q, k, v = (linear(attn.q_proj, x)[0], linear(attn.k_proj, x)[0], linear(attn.v_proj, x)[0])
+        if self.cpp:
+            if fused is not None:
+                cpu_kernels.rope_(qkv, *rotary, nh + nkv, d)
+            else:
+                cpu_kernels.rope_(q, *rotary, nh, d)
+                cpu_kernels.rope_(k, *rotary, nkv, d)
+            q4, k4 = q.view(1, t, nh, d).transpose(1, 2), k.view(1, t, nkv, d).transpose(1, 2)
+        else:
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            q4, k4 = apply_rotary_pos_emb(q.view(1, t, nh, d).transpose(1, 2), k.view(1, t, nkv, d).transpose(1, 2),
+                                          *rotary)
+        v4 = v.view(1, t, nkv, d).transpose(1, 2)
+        o, _ = paged_attention.paged_attention_forward(attn, q4, k4, v4, None, scaling=attn.scaling, cb_meta=meta)
+        return linear(attn.o_proj, o.reshape(1, t, -1))
+
+    def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        fused = mlp._modules.get(GATE_UP)
+        if fused is not None:
+            gate_up = linear(fused, x)
+            if self.cpp:
+                h = cpu_kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = mlp.act_fn(gate) * up
+        else:
+            h = mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x)
+        return linear(mlp.down_proj, h)
