@@ -69,6 +69,10 @@ class FairShare:
         tenant.charged += tokens
         tenant.parents[request.parent_id].charged += tokens
 
+    def several_groups(self) -> bool:
+        """More than one tenant, or more than one parent in the one tenant, has requests live."""
+        return len(self.tenants) > 1 or any(len(t.parents) > 1 for t in self.tenants.values())
+
     def rank(self, request: Request) -> tuple[int, int, int]:
         """Who goes first among running requests (and who is preempted last): lower is first."""
         tenant = self.tenants[request.tenant]
@@ -130,9 +134,10 @@ class StepLimits:
 
     On a CPU a step's time grows with its tokens, and a newcomer waits for the step in flight and
     then for its own: so one parent's choices take at most `parent_tokens` per step, bar its first
-    row (a lone request's prefill chunk is not cut; None: no cap), and while a newcomer (a tenant or parent none of whose requests has its first token yet) could
-    be admitted and is owed no less (its priority and charge are not above the other's), the other
-    tenants, and the other parents of its tenant, take at most `held_tokens` (None: never held)."""
+    row (a lone request's prefill chunk is not cut; None: no cap); and while a newcomer (a tenant or
+    parent none of whose requests has its first token yet) could be admitted and is owed no less
+    (its priority and charge are not above the other's), the other tenants, and the other parents
+    of its tenant, take at most `held_tokens` (None: never held)."""
 
     def __init__(self, shares: FairShare, parent_tokens: int | None, held_tokens: int | None,
                  newcomers: Iterable[Request], started: Iterable[Request]) -> None:

@@ -245,7 +245,7 @@ class Scheduler:
         bm = self.block_manager
         started = [r for r in running if r.generated or r.status == RequestStatus.DECODING]
         newcomers = []
-        if self.held_step_tokens is not None:
+        if self.held_step_tokens is not None and self.shares.several_groups():  # else none to hold
             newcomers = [r for r in running if not r.generated and r.status != RequestStatus.DECODING]
             if len(running) < self.max_requests:
                 newcomers += [r for r in self.waiting if not r.generated and not r.num_inflight
