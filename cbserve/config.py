@@ -81,7 +81,7 @@ class ContinuousBatchingConfig(BaseModel):
     auto_switch_to_flash: bool = True
     attention_backend: Literal["auto", "cpu", "sdpa", "triton", "flash", "reference"] = Field(
         "auto", description="auto: flash, else triton on CUDA; the C++ decode kernel (cpu), else sdpa, on a CPU "
-        "(see kernels/backends.py)"
+        "(see kernels/attention_backends.py)"
     )
     prepack_weights: bool | None = Field(
         None, description="linear weights packed once for oneDNN on a CPU (a second copy while the engine "

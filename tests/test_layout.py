@@ -1,6 +1,6 @@
 """The rules of the house (DESIGN.md), checked on the source: no import cycles, the engine never
-imports the serving layers or Ray, kernels are leaves, the scheduler holds no tensors, and no
-function is longer than one screen."""
+imports the serving layers or Ray, kernels are leaves, the scheduler holds no tensors, no
+function is longer than one screen, and no two modules share a file name."""
 
 from __future__ import annotations
 
@@ -141,10 +141,28 @@ def test_functions_fit_on_one_screen() -> None:
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+def shared_basenames(paths: list[Path]) -> dict[str, list[str]]:
+    """File names that more than one module has (packages' `__init__`/`__main__` aside)."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    return {name: sorted(found) for name, found in by_name.items() if len(found) > 1}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A file name says which module it is: in a traceback, a search, an editor's tab."""
+    shared = shared_basenames(list(ROOT.rglob("*.py")))
+    assert not shared, f"file names used by several modules: {shared}"
+
+
 def test_the_checks_can_fail() -> None:
-    """Planted faults are found: a cycle, an engine module importing Ray, a long function."""
+    """Planted faults are found: a cycle, an engine module importing Ray, a long function, a file
+    name used twice."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "ray" in imports("x", "def f():\n    import ray\n")
     assert long_functions("def f():\n" + "    x = 1\n" * 70) == [("f", 71)]
     assert long_functions("@triton.jit\ndef k():\n" + "    x = 1\n" * 70) == []
+    planted = [ROOT / "a" / "errors.py", ROOT / "b" / "errors.py", ROOT / "a" / "__init__.py", ROOT / "b" / "__init__.py"]
+    assert shared_basenames(planted) == {"errors.py": ["cbserve/a/errors.py", "cbserve/b/errors.py"]}

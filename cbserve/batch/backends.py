@@ -2,7 +2,7 @@
 
 Both run a request through the same path as a Serve engine replica (`EngineReplica.generate`:
 tokenize, submit to the manager, detokenize, stop strings) and fold its `WorkerEvent`s into a
-`ChoiceResult` (`cbserve.serving.replies.fold`, the fold every front uses):
+`ChoiceResult` (`cbserve.serving.front.replies.fold`, the fold every front uses):
 
 - `EnginePool`: `replicas` Ray actors, each owning an `EngineReplica` (one model and one
   continuous-batching manager); a request goes to the actor with the fewest in flight and its
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 from cbserve.cluster.settings import MODEL_PROCESS_ENV, ClusterArgs, runtime_env
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.errors import error_event
+from cbserve.serving.api_errors import error_event
+from cbserve.serving.front.replies import ChoiceResult, fold
 from cbserve.serving.protocol import WorkerRequest
-from cbserve.serving.replies import ChoiceResult, fold
 
 logger = logging.getLogger(__name__)
 

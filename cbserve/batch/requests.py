@@ -9,12 +9,12 @@ from pydantic import ValidationError
 
 from cbserve.batch.schema import BatchLine, ResultLine, TopToken, Usage, describe_validation_error
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.api_errors import front_message
 from cbserve.serving.constraints import requested
-from cbserve.serving.errors import front_message
+from cbserve.serving.front.replies import ChoiceResult
+from cbserve.serving.front.service_args import GenerationDefaults, RoutingConfig
+from cbserve.serving.front.worker_requests import logit_bias, routing_hashes, sampling, worker_request
 from cbserve.serving.protocol import PromptInfo, Sampling, TopEntry, WorkerEvent, WorkerRequest
-from cbserve.serving.replies import ChoiceResult
-from cbserve.serving.requests import logit_bias, routing_hashes, sampling, worker_request
-from cbserve.serving.settings import GenerationDefaults, RoutingConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cbserve.serving.schemas import MAX_LOGPROBS, StructuredFields
+from cbserve.serving.front.schemas import MAX_LOGPROBS, StructuredFields
 
 ErrorType = Literal["invalid_json", "invalid_line", "duplicate_id", "invalid_request", "engine_error"]
 # Errors that say nothing about the line itself: a rerun with the same output tries the line again.

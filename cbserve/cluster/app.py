@@ -32,7 +32,7 @@ from cbserve.cluster.settings import (
     with_cpus,
 )
 from cbserve.cluster.stats_board import StatsBoard
-from cbserve.serving.settings import RoutingConfig
+from cbserve.serving.front.service_args import RoutingConfig
 
 logger = logging.getLogger(__name__)
 

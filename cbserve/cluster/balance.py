@@ -2,7 +2,7 @@
 choices. Plain Python on replica ids and queue lengths (no Ray); `router.py` applies it in Serve.
 
 - A request whose prompt has a routing key (the hash of its first `key_chunks` prefix chunks,
-  `serving/prefix.py`) walks a hash ring of the live replicas from the key's point. Every ingress
+  `serving/front/prefix.py`) walks a hash ring of the live replicas from the key's point. Every ingress
   replica builds the same ring from the same replica ids, so they all send a prefix to the same
   replica without talking to each other; when a replica joins or leaves, only the keys next to
   its points move.

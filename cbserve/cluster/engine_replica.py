@@ -30,11 +30,11 @@ from cbserve.cluster.tp_ranks import RankGroup, load_on_device
 from cbserve.config import ContinuousBatchingConfig, with_fields
 from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
+from cbserve.serving.api_errors import ABORTED, APIError, error_event
 from cbserve.serving.constraints import Grammars
-from cbserve.serving.errors import ABORTED, APIError, error_event
-from cbserve.serving.generation import ModelInfo, run_request
-from cbserve.serving.metrics import kv_usage
+from cbserve.serving.front.metrics import kv_usage
 from cbserve.serving.protocol import WorkerEvent, WorkerRequest
+from cbserve.serving.replica.generation import ModelInfo, run_request
 
 logger = logging.getLogger(__name__)
 

@@ -33,15 +33,16 @@ from cbserve.cluster.metrics_relay import MetricsRelay, this_replica
 from cbserve.cluster.ray_compat import backpressure, serve_http_host, serve_request_id
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
-from cbserve.serving import grpc_service, tokenization
-from cbserve.serving.errors import APIError, internal_error, openai_error, refusal
-from cbserve.serving.json_body import parse_request
-from cbserve.serving.metrics import ServingMetrics
-from cbserve.serving.openai_service import OpenAIService, Reply
+from cbserve.serving import tokenization
+from cbserve.serving.api_errors import APIError, internal_error, openai_error, refusal
+from cbserve.serving.front import grpc_service
+from cbserve.serving.front.json_body import parse_request
+from cbserve.serving.front.metrics import ServingMetrics
+from cbserve.serving.front.openai_service import OpenAIService, Reply
+from cbserve.serving.front.replies import ChoiceStream
+from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cbserve.serving.front.worker_requests import bind_call_tenant, key_tenant, with_call_tenant
 from cbserve.serving.protocol import WorkerRequest
-from cbserve.serving.replies import ChoiceStream
-from cbserve.serving.requests import bind_call_tenant, key_tenant, with_call_tenant
-from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
-from cbserve.serving.metrics import ServingMetrics
+from cbserve.serving.front.metrics import ServingMetrics
 
 logger = logging.getLogger(__name__)
 

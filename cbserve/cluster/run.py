@@ -87,7 +87,7 @@ def controller_options(config: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.schema import HTTPOptionsSchema
 
     from cbserve.cluster.ray_compat import proxy_env_vars
-    from cbserve.serving.settings import LimitsConfig
+    from cbserve.serving.front.service_args import LimitsConfig
 
     host = HTTPOptionsSchema(**(config.get("http_options") or {})).host  # as Serve reads the config
     cap = max((LimitsConfig(**((app.get("args") or {}).get("limits") or {})).max_body_bytes

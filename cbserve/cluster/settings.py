@@ -1,6 +1,6 @@
 """The `args` of `build_app`: one validated pydantic model, read from `ray_config.yaml`.
 
-The serving parts (generation defaults, limits, routing) are defined in `cbserve.serving.settings`.
+The serving parts (generation defaults, limits, routing) are defined in `cbserve.serving.front.service_args`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator, model_validator
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
+from cbserve.serving.front.service_args import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What Serve's proxy, the ingress and Ray's own processes take of a CPU node while 32 streams run

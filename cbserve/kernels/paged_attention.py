@@ -12,7 +12,7 @@ writes the new K/V into the layer's pages by slot mapping, then attends:
 
 No dense block-diagonal mask over the whole batch is ever built.
 
-With a full kernel backend (`backends.py`: cpu, triton, flash, reference) the step's block tables
+With a full kernel backend (`attention_backends.py`: cpu, triton, flash, reference) the step's block tables
 go to the backend's kernels instead: one paged decode call for a decode-only batch, one varlen call
 over every request otherwise.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from cbserve.kernels.backends import KernelBackend
+from cbserve.kernels.attention_backends import KernelBackend
 
 ATTENTION_NAME = "cbserve_paged"
 DECODE_CHUNK_BYTES = 5 << 19  # K+V gathered per decode SDPA call on a CPU (2.5 MiB: stays in cache)

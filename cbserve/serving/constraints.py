@@ -19,8 +19,8 @@ import threading
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.front.schemas import ChatCompletionRequest, StructuredFields
 from cbserve.serving.protocol import Constraint
-from cbserve.serving.schemas import ChatCompletionRequest, StructuredFields
 
 
 def _given(req: StructuredFields) -> list[Constraint]:

@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field, StrictInt
 
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.chat_template import chat_token_ids, template_messages
-from cbserve.serving.json_body import parse_json, validation_error
-from cbserve.serving.schemas import ChatMessage, Strict, Tool
+from cbserve.serving.front.json_body import parse_json, validation_error
+from cbserve.serving.front.schemas import ChatMessage, Strict, Tool
 
 
 class TokenizeCompletionRequest(Strict):

@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
 from cbserve.errors import RequestFault
-from cbserve.kernels import backends, packed_linear
+from cbserve.kernels import attention_backends, packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
@@ -145,7 +145,7 @@ class EngineCore:
     def _build_runner(self, sizes) -> None:
         """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
         cfg, model = self.config, self.model
-        self.attention_backend = backends.select(cfg.attention_backend, self.device, cfg.page_size,
+        self.attention_backend = attention_backends.select(cfg.attention_backend, self.device, cfg.page_size,
                                                  cfg.auto_switch_to_flash, cfg.batch_invariant)
         self._previous_attn = model_sharing.take_attention(model, self)
         forward = CompiledForward(
@@ -154,7 +154,7 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
         )
-        kernels = backends.kernels(self.attention_backend, cfg.batch_invariant)
+        kernels = attention_backends.kernels(self.attention_backend, cfg.batch_invariant)
         self.runner = ModelRunner(model, self.cache, forward, kernels, sizes.fast_path_width)
         self.runner.graphs = build_step_graphs(cfg, self.runner, self.attention_backend, sizes.max_requests,
                                                sizes.max_batch_tokens)

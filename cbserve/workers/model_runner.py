@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbserve.kernels.backends import KernelBackend
+from cbserve.kernels.attention_backends import KernelBackend
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
 from cbserve.scheduler.scheduler import ScheduledRequest
 from cbserve.workers.async_batching import InFlightStep

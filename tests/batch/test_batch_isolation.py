@@ -32,8 +32,8 @@ from cbserve.batch.job import BatchJob, BatchOptions
 from cbserve.batch.requests import RequestDefaults
 from cbserve.batch.schema import record_key
 from cbserve.cluster.settings import ClusterArgs
+from cbserve.serving.front.replies import ChoiceResult
 from cbserve.serving.protocol import WorkerRequest
-from cbserve.serving.replies import ChoiceResult
 from tests.support.cluster import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]

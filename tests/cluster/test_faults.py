@@ -501,9 +501,9 @@ def _service_with_failing_worker(ending: str) -> Any:
     import asyncio
 
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.openai_service import OpenAIService
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.replies import ChoiceStream
     from cbserve.serving.protocol import WorkerEvent
-    from cbserve.serving.replies import ChoiceStream
 
     async def events() -> Any:
         yield WorkerEvent(kind="delta", text="hi", token_ids=[5])
@@ -524,8 +524,8 @@ def test_service_turns_a_worker_dying_mid_request_into_an_error(ending: str) -> 
     exception that cuts the body). Not streamed: a 503."""
     import asyncio
 
-    from cbserve.serving.errors import APIError
-    from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.api_errors import APIError
+    from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
 
     async def sse(reply: Any) -> list[str]:
         return [line async for line in (await reply).stream]
@@ -553,8 +553,8 @@ def test_grpc_generate_turns_a_worker_dying_mid_request_into_unavailable(ending:
     import grpc
 
     from cbserve.cluster.ingress import OpenAIIngress
-    from cbserve.serving import grpc_service
-    from cbserve.serving.metrics import ServingMetrics
+    from cbserve.serving.front import grpc_service
+    from cbserve.serving.front.metrics import ServingMetrics
 
     service = _service_with_failing_worker(ending)
     ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve, no FastAPI app

@@ -38,7 +38,7 @@ HOSTILE_KEYS = ["²", "--5", "1" * 5000, "٣", "5a", "", " ", "+5", "0x10", "1e3
 @pytest.mark.parametrize("key", HOSTILE_KEYS, ids=lambda k: ascii(k[:8]))
 def test_logit_bias_keys_are_refused_naming_the_field(key: str) -> None:
     from cbserve.scheduler.request import SamplingParams
-    from cbserve.serving.requests import logit_bias
+    from cbserve.serving.front.worker_requests import logit_bias
     from cbserve.workers import validation
 
     with pytest.raises(InvalidRequestError) as front:
@@ -53,7 +53,7 @@ def test_logit_bias_keys_are_refused_naming_the_field(key: str) -> None:
 
 def test_logit_bias_accepts_token_ids() -> None:
     from cbserve.scheduler.request import SamplingParams
-    from cbserve.serving.requests import logit_bias
+    from cbserve.serving.front.worker_requests import logit_bias
     from cbserve.workers import validation
 
     assert logit_bias({"5": 1.0, " 7 ": -2.0, "0": 100.0}) == {5: 1.0, 7: -2.0, 0: 100.0}
@@ -66,10 +66,10 @@ def test_logit_bias_accepts_token_ids() -> None:
 @pytest.mark.parametrize("key", ["²", "--5", "1" * 5000], ids=["superscript", "double-minus", "5000-digits"])
 def test_logit_bias_over_the_openai_front_is_a_400(key: str) -> None:
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.errors import APIError
-    from cbserve.serving.json_body import parse_request
-    from cbserve.serving.openai_service import OpenAIService
-    from cbserve.serving.schemas import CompletionRequest
+    from cbserve.serving.api_errors import APIError
+    from cbserve.serving.front.json_body import parse_request
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.schemas import CompletionRequest
 
     async def never(_: Any) -> Any:
         raise AssertionError("a refused request reached a worker")
@@ -82,10 +82,10 @@ def test_logit_bias_over_the_openai_front_is_a_400(key: str) -> None:
 
 
 def test_a_5xx_says_nothing_of_the_failure(caplog: pytest.LogCaptureFixture) -> None:
-    from cbserve.serving.errors import APIError, error_event, internal_error, refusal
+    from cbserve.serving.api_errors import APIError, error_event, internal_error, refusal
 
     secret = "generation failed: RuntimeError: CUDA error at /src/kernels/attn.cu:77 token 31337"
-    with caplog.at_level("ERROR", logger="cbserve.serving.errors"):
+    with caplog.at_level("ERROR", logger="cbserve.serving.api_errors"):
         exc = refusal(error_event(500, secret))
     assert isinstance(exc, APIError) and exc.status == 500 and exc.code == "internal_error"
     assert "31337" not in exc.message and "RuntimeError" not in exc.message
@@ -100,7 +100,7 @@ def test_a_5xx_says_nothing_of_the_failure(caplog: pytest.LogCaptureFixture) -> 
                                     "x_request_disconnect_disabled"])
 def test_serve_control_headers_are_refused(header: str) -> None:
     from cbserve.cluster.ingress import check_control_headers
-    from cbserve.serving.errors import APIError
+    from cbserve.serving.api_errors import APIError
 
     with pytest.raises(APIError) as info:
         check_control_headers({"content-type": "application/json", header: "?1"})
@@ -110,7 +110,7 @@ def test_serve_control_headers_are_refused(header: str) -> None:
 
 def _grpc_service() -> Any:
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.openai_service import OpenAIService
+    from cbserve.serving.front.openai_service import OpenAIService
 
     return OpenAIService(ClusterArgs(served_model_name=MODEL, limits={"max_body_bytes": BODY_CAP}), None)
 
@@ -118,8 +118,8 @@ def _grpc_service() -> Any:
 def test_grpc_message_over_the_body_cap_is_refused_before_its_prompt_is_read() -> None:
     import grpc
 
-    from cbserve.serving import grpc_service
-    from cbserve.serving.errors import APIError
+    from cbserve.serving.api_errors import APIError
+    from cbserve.serving.front import grpc_service
     from cbserve.serving.protos import generate_pb2 as pb
 
     service = _grpc_service()

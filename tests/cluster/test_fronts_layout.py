@@ -1,5 +1,7 @@
 """The layout of the fronts: `cbserve.serving` (the protocol) imports no Ray, not even through
-what it imports, and nothing of `cluster` or `batch`; `cluster` (Ray Serve) does not import `batch`."""
+what it imports, and nothing of `cluster` or `batch`; within it, what runs where a request
+arrives (`serving.front`) and what runs next to the engine (`serving.replica`) import only what
+they share, not each other; `cluster` (Ray Serve) does not import `batch`."""
 
 from __future__ import annotations
 
@@ -52,4 +54,14 @@ def test_serving_imports_no_front_and_cluster_imports_no_batch() -> None:
     for package, banned in (("serving", ("cbserve.cluster", "cbserve.batch", "ray")), ("cluster", ("cbserve.batch",))):
         for name, path in _modules(package).items():
             bad = sorted(d for d in _imports(path) if d.startswith(banned))
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_the_front_and_the_replica_share_only_the_protocol() -> None:
+    sides = {"front": "cbserve.serving.replica", "replica": "cbserve.serving.front"}
+    for side, other in sides.items():
+        modules = _modules(f"serving/{side}")
+        assert len(modules) >= 2, side
+        for name, path in modules.items():
+            bad = sorted(d for d in _imports(path) if d == other or d.startswith(other + "."))
             assert not bad, f"{name} imports {bad}"

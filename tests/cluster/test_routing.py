@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cbserve.cluster.balance import HashRing, bounded_load_choice, capacity, routing_key, two_choices
-from cbserve.serving.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.front.prefix import chat_routing_text, prefix_hashes
 from cbserve.serving.protocol import WorkerRequest
 from tests.support.cluster import FakeReplica
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton_attention defines its kernels
 
 import cbserve
-from cbserve.kernels import backends, cpu_kernels
+from cbserve.kernels import attention_backends, cpu_kernels
 from cbserve.kernels import triton_attention as tri
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs
 from cbserve.workers import cuda_graphs
@@ -60,25 +60,25 @@ def test_auto_on_cpu_is_the_cpp_kernel_else_sdpa_and_explicit_choices_say_why_th
     monkeypatch, caplog
 ) -> None:
     cpu = torch.device("cpu")
-    assert backends.select("auto", cpu, 16, True) == "cpu"  # CI machines have a C++ compiler
+    assert attention_backends.select("auto", cpu, 16, True) == "cpu"  # CI machines have a C++ compiler
     with pytest.raises(ValueError, match="runs on CPUs, the model is on cuda"):
-        backends.select("cpu", torch.device("cuda"), 16, True)
+        attention_backends.select("cpu", torch.device("cuda"), 16, True)
     monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler ('c++' is not on PATH)")
-    with caplog.at_level("WARNING", logger="cbserve.kernels.backends"):
-        assert backends.select("auto", cpu, 16, True) == "sdpa"
+    with caplog.at_level("WARNING", logger="cbserve.kernels.attention_backends"):
+        assert attention_backends.select("auto", cpu, 16, True) == "sdpa"
     assert "no C++ compiler" in caplog.text
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: no C\\+\\+ compiler"):
-        backends.select("cpu", cpu, 16, True)
+        attention_backends.select("cpu", cpu, 16, True)
     with pytest.raises(ValueError, match="flash-attn runs only on CUDA"):
-        backends.select("flash", cpu, 256, True)
+        attention_backends.select("flash", cpu, 256, True)
     monkeypatch.setattr(tri, "_INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        backends.select("triton", cpu, 16, True)
+        attention_backends.select("triton", cpu, 16, True)
     monkeypatch.setenv("CBSERVE_ATTENTION_BACKEND", "reference")
-    assert backends.select("auto", cpu, 16, True) == "reference"
+    assert attention_backends.select("auto", cpu, 16, True) == "reference"
     monkeypatch.setenv("CBSERVE_ATTENTION_BACKEND", "fast")
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        backends.select("auto", cpu, 16, True)
+        attention_backends.select("auto", cpu, 16, True)
     with pytest.raises(ValueError, match="attention_backend"):
         cbserve.ContinuousBatchingConfig(attention_backend="fast")
 
@@ -88,17 +88,17 @@ def test_auto_on_cuda_prefers_flash_then_triton(monkeypatch) -> None:
     from cbserve.kernels import flash_attn_adapter as fa
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(backends, "_triton_problem", lambda device: "")
-    monkeypatch.setattr(backends, "_flash_version", lambda: "test")
+    monkeypatch.setattr(attention_backends, "_triton_problem", lambda device: "")
+    monkeypatch.setattr(attention_backends, "_flash_version", lambda: "test")
     monkeypatch.setattr(fa, "flash_unavailable_reason", lambda: "")
-    assert backends.select("auto", cuda, 256, True) == "flash"
-    assert backends.select("auto", cuda, 16, True) == "triton"  # flash needs pages of 256
-    assert backends.select("auto", cuda, 256, False) == "triton"  # auto_switch_to_flash off
+    assert attention_backends.select("auto", cuda, 256, True) == "flash"
+    assert attention_backends.select("auto", cuda, 16, True) == "triton"  # flash needs pages of 256
+    assert attention_backends.select("auto", cuda, 256, False) == "triton"  # auto_switch_to_flash off
     with pytest.raises(ValueError, match="multiple of 256"):
-        backends.select("flash", cuda, 16, True)
+        attention_backends.select("flash", cuda, 16, True)
     monkeypatch.setattr(fa, "flash_unavailable_reason", lambda: "flash_attn is not importable")
-    monkeypatch.setattr(backends, "_triton_problem", lambda device: "triton is not importable")
-    assert backends.select("auto", cuda, 256, True) == "sdpa"
+    monkeypatch.setattr(attention_backends, "_triton_problem", lambda device: "triton is not importable")
+    assert attention_backends.select("auto", cuda, 256, True) == "sdpa"
 
 
 # -- exactness per backend ---------------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
         assert max_seqlen_q == int((cu[1:] - cu[:-1]).max()) and max_seqlen_k == int(context_lens.max())
         return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, *args)
 
-    monkeypatch.setattr(backends, "kernels", lambda name, batch_invariant=None: backends.KernelBackend(
+    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None: attention_backends.KernelBackend(
         name, ref.store_kv, decode, varlen, varlen_takes_max_seqlen=True))
     model = tiny_model("llama")
     prompts = random_prompts(LENGTHS)
@@ -193,7 +193,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
     def forgetful(q, k_cache, v_cache, block_tables, context_lens, *args):
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.ones_like(context_lens), *args)
 
-    monkeypatch.setattr(backends, "kernels", lambda name, batch_invariant=None: backends.KernelBackend(
+    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None: attention_backends.KernelBackend(
         name, ref.store_kv, forgetful, varlen, varlen_takes_max_seqlen=True))
     requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
     with pytest.raises(AssertionError):

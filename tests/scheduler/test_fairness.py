@@ -218,9 +218,9 @@ def test_engine_tokens_identical_to_running_alone_and_the_single_request_not_sta
 
 def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tenant() -> None:
     from cbserve.cluster.settings import ClusterArgs
-    from cbserve.serving.openai_service import OpenAIService
-    from cbserve.serving.requests import user_tenant
-    from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
+    from cbserve.serving.front.worker_requests import user_tenant
 
     service = OpenAIService(ClusterArgs(), open_choice=None)
     wreqs = service.completion_requests(CompletionRequest(prompt=["a", "b"], n=3, priority=-2, user="alice"), "cmpl-1")
@@ -233,8 +233,8 @@ def test_choices_of_one_api_call_share_a_parent_and_carry_priority_and_user_tena
     with pytest.raises(ValueError, match="priority"):
         CompletionRequest(prompt="a", priority=2**63)
     # A request that is no API call's choice (gRPC, a batch line) is a parent of its own.
+    from cbserve.serving.front.worker_requests import worker_request
     from cbserve.serving.protocol import Sampling
-    from cbserve.serving.requests import worker_request
 
     assert worker_request("grpc-1", [], Sampling(), prompt="x").sampling.parent_id == "grpc-1"
 
@@ -244,8 +244,8 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     from cbserve.cluster.ingress import OpenAIIngress
     from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.front.worker_requests import key_tenant, user_tenant
     from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
-    from cbserve.serving.requests import key_tenant, user_tenant
 
     args = ClusterArgs(api_key="k1", api_keys=["k2", "k1"])
     assert args.resolved_api_keys() == ["k1", "k2"]

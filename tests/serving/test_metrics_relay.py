@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cbserve.cluster.metrics_relay import MetricsRelay
 from cbserve.cluster.stats_board import StatsBoard
-from cbserve.serving.metrics import ServingMetrics
+from cbserve.serving.front.metrics import ServingMetrics
 
 WORKERS = {"w1": {"running": 2, "waiting": 1, "total_pages": 10, "free_pages": 4, "prefix_hit_tokens": 30,
                   "prompt_tokens_computed": 70, "preemptions": 3}}

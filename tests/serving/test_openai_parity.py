@@ -23,15 +23,15 @@ import cbserve
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import QueueFullError
 from cbserve.serving import tokenization
+from cbserve.serving.api_errors import APIError, refusal
 from cbserve.serving.constraints import Grammars
-from cbserve.serving.errors import APIError, refusal
-from cbserve.serving.generation import ModelInfo, run_request
-from cbserve.serving.json_body import parse_request
-from cbserve.serving.openai_service import OpenAIService
+from cbserve.serving.front.json_body import parse_request
+from cbserve.serving.front.openai_service import OpenAIService
+from cbserve.serving.front.replies import ChoiceStream
+from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
+from cbserve.serving.front.tool_calls import HermesParser, split_calls
 from cbserve.serving.protocol import WorkerRequest
-from cbserve.serving.replies import ChoiceStream
-from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
-from cbserve.serving.tool_calls import HermesParser, split_calls
+from cbserve.serving.replica.generation import ModelInfo, run_request
 from tests.support.cluster import running_manager, tiny_model_dir
 
 CONTEXT = 4096  # room for a Hermes tool prompt in the tiny model's small-vocabulary tokens
@@ -362,7 +362,7 @@ def test_hermes_parser_cuts_calls_out_of_streamed_text() -> None:
 def test_tool_messages_reach_the_chat_template(service: OpenAIService, loaded: tuple[Any, Any]) -> None:
     """The tiny template knows no tools: they are written into the prompt Hermes-style."""
     from cbserve.serving.chat_template import chat_token_ids, template_messages
-    from cbserve.serving.schemas import ChatMessage
+    from cbserve.serving.front.schemas import ChatMessage
 
     tok = loaded[1]
     messages = [ChatMessage(role="user", content="weather?"),
@@ -482,7 +482,7 @@ def test_batch_lines_take_the_same_controls(manager: Any, loaded: tuple[Any, Any
     request path and the fold every front uses, to its output record."""
     from cbserve.batch.requests import RequestDefaults, to_result, to_worker_request
     from cbserve.batch.schema import BatchLine, parse_line
-    from cbserve.serving.replies import fold
+    from cbserve.serving.front.replies import fold
 
     tok = loaded[1]
     raw = {"id": "a", "prompt": "hello", "raw": True, "max_tokens": 12, "temperature": 0, "presence_penalty": 0.5,

@@ -22,8 +22,8 @@ import cbserve
 from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
 from cbserve.output_store import OutputStore
 from cbserve.outputs import GenerationOutput, RequestStatus
-from cbserve.serving.generation import ModelInfo, merge_outputs, run_request
 from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
+from cbserve.serving.replica.generation import ModelInfo, merge_outputs, run_request
 from tests.support.cluster import running_manager, tiny_model_dir
 
 

@@ -16,14 +16,14 @@ from pydantic import ValidationError
 import cbserve
 from cbserve.cluster.offload import node_budget_gib, replicas_fitting
 from cbserve.cluster.settings import ClusterArgs, CpuOffloadConfig
-from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from cbserve.serving.errors import APIError, openai_error, refusal
-from cbserve.serving.generation import ModelInfo, run_request
-from cbserve.serving.openai_service import OpenAIService
-from cbserve.serving.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.api_errors import APIError, openai_error, refusal
+from cbserve.serving.front.openai_service import OpenAIService
+from cbserve.serving.front.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.front.replies import ChoiceStream
+from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.serving.protocol import Sampling, WorkerRequest
-from cbserve.serving.replies import ChoiceStream
-from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+from cbserve.serving.replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from cbserve.serving.replica.generation import ModelInfo, run_request
 from tests.support.cluster import FakeReplica, running_manager, tiny_model_dir
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_service_refuses_bad_requests(service: OpenAIService, req: CompletionReq
 
 def test_service_metrics_count_tokens_and_latency(manager: Any, tokenizer: Any, info: ModelInfo,
                                                   loaded: tuple[Any, Any, str]) -> None:
-    from cbserve.serving.metrics import ServingMetrics
+    from cbserve.serving.front.metrics import ServingMetrics
 
     metrics = ServingMetrics("tiny")
     svc = OpenAIService(ClusterArgs(model=loaded[2], served_model_name="tiny"),

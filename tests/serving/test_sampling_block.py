@@ -9,11 +9,11 @@ from typing import Any
 
 from cbserve.batch.requests import RequestDefaults, to_worker_request
 from cbserve.cluster.settings import ClusterArgs
-from cbserve.serving import grpc_service
-from cbserve.serving.generation import ModelInfo, run_request
-from cbserve.serving.openai_service import OpenAIService
+from cbserve.serving.front import grpc_service
+from cbserve.serving.front.openai_service import OpenAIService
+from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.serving.protocol import Sampling, WorkerRequest
-from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+from cbserve.serving.replica.generation import ModelInfo, run_request
 from cbserve.workers import validation
 
 # Every sampling value a client can set, as the engine takes it; floats exact in float32 (gRPC's).
@@ -91,7 +91,7 @@ def test_the_manager_protocol_names_what_the_request_path_uses() -> None:
     import inspect
 
     import cbserve
-    from cbserve.serving import generation
+    from cbserve.serving.replica import generation
 
     tree = ast.parse(inspect.getsource(generation))
     used = {node.attr for node in ast.walk(tree)

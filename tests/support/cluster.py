@@ -110,7 +110,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-SERVICER = "cbserve.serving.grpc_service.add_generate_servicer"
+SERVICER = "cbserve.serving.front.grpc_service.add_generate_servicer"
 # A loaded 2-core machine can take longer than Serve's 5 s to ready a proxy (which it then kills).
 PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 

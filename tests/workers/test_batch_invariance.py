@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cbserve
-from cbserve.kernels import backends, cpu_isa, cpu_kernels, packed_linear
+from cbserve.kernels import attention_backends, cpu_isa, cpu_kernels, packed_linear
 from tests.support.exactness import run_engine
 from tests.support.tiny_models import random_prompts, tiny_model
 
@@ -105,7 +105,7 @@ def test_the_flag_is_refused_where_it_cannot_hold(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="torch.compile"):
         config(default_compile_level=1)
     with pytest.raises(ValueError, match="batch_invariant=True needs the C.. CPU attention kernel"):
-        backends.select("auto", torch.device("meta"), 16, True, batch_invariant=True)
+        attention_backends.select("auto", torch.device("meta"), 16, True, batch_invariant=True)
     monkeypatch.setenv(cpu_isa.ISA_ENV, "generic")  # no C++ linear path: oneDNN only, refused
     assert "batch-invariant mode needs the C++ linear kernel" in packed_linear.unavailable_reason(
         torch.device("cpu"), torch.float32, batch_invariant=True)

@@ -24,13 +24,13 @@ from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.request import Request
-from cbserve.serving import grpc_service
-from cbserve.serving.errors import APIError
-from cbserve.serving.generation import ModelInfo, submit
-from cbserve.serving.json_body import parse_request
-from cbserve.serving.openai_service import OpenAIService
+from cbserve.serving.api_errors import APIError
+from cbserve.serving.front import grpc_service
+from cbserve.serving.front.json_body import parse_request
+from cbserve.serving.front.openai_service import OpenAIService
+from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.serving.protocol import Sampling, WorkerRequest
-from cbserve.serving.schemas import ChatCompletionRequest, CompletionRequest
+from cbserve.serving.replica.generation import ModelInfo, submit
 from cbserve.workers.engine import EngineCore
 from cbserve.workers.kv.node_pool import NodeKVPool
 from cbserve.workers.validation import MAX_CACHE_SALT_CHARS

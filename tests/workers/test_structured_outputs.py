@@ -133,11 +133,11 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     import asyncio
 
     from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.api_errors import refusal
     from cbserve.serving.constraints import Grammars
-    from cbserve.serving.errors import refusal
-    from cbserve.serving.generation import ModelInfo, run_request
-    from cbserve.serving.openai_service import OpenAIService
-    from cbserve.serving.replies import ChoiceStream
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.replies import ChoiceStream
+    from cbserve.serving.replica.generation import ModelInfo, run_request
     from tests.support.cluster import running_manager, tiny_model_dir
 
     folder = tiny_model_dir(tmp_path_factory)
@@ -162,8 +162,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 def served_completion(service, **body):
     import asyncio
 
-    from cbserve.serving.json_body import parse_request
-    from cbserve.serving.schemas import CompletionRequest
+    from cbserve.serving.front.json_body import parse_request
+    from cbserve.serving.front.schemas import CompletionRequest
 
     req = parse_request(json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 12, **body}).encode(),
                         CompletionRequest)
@@ -177,7 +177,7 @@ def served_completion(service, **body):
      "21 levels deep; at most 16 (grammar_max_nesting)"),
 ])
 def test_a_refused_constraint_is_a_400_naming_its_field_on_the_serving_path(served, body, param, text) -> None:
-    from cbserve.serving.errors import APIError
+    from cbserve.serving.api_errors import APIError
 
     with pytest.raises(APIError) as err:
         served_completion(served, **body)

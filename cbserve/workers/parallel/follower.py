@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from cbserve.kernels import paged_attention
-from cbserve.kernels.backends import KernelBackend
+from cbserve.kernels.attention_backends import KernelBackend
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.kv.host_pool import HostKVPool
 from cbserve.workers.model_shape import ModelShape

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from cbserve.kernels.backends import KernelBackend
+from cbserve.kernels.attention_backends import KernelBackend
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
 from cbserve.scheduler.host_pages import KVTransfer
 from cbserve.workers.parallel.groups import HEADER

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbserve.serving.schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from cbserve.serving.front.schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
 

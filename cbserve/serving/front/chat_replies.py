@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cbserve.serving.replies import ChoiceResult, Piece, chat_logprobs
-from cbserve.serving.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
-from cbserve.serving.tool_calls import HermesParser, delta_calls, split_calls
+from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
+from cbserve.serving.front.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
+from cbserve.serving.front.tool_calls import HermesParser, delta_calls, split_calls
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from cbserve.serving.errors import APIError
+from cbserve.serving.api_errors import APIError
 
 MAX_JSON_DEPTH = 64
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

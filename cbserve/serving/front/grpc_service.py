@@ -10,11 +10,11 @@ from typing import Any, NoReturn
 import grpc
 
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.errors import APIError, front_message
+from cbserve.serving.api_errors import APIError, front_message
+from cbserve.serving.front.replies import ChoiceResult, ChoiceStream, Piece, pieces
+from cbserve.serving.front.service_args import GenerationDefaults
+from cbserve.serving.front.worker_requests import check_limits, routing_hashes, sampling, worker_request
 from cbserve.serving.protocol import Constraint, Sampling, TopEntry, WorkerRequest
-from cbserve.serving.replies import ChoiceResult, ChoiceStream, Piece, pieces
-from cbserve.serving.requests import check_limits, routing_hashes, sampling, worker_request
-from cbserve.serving.settings import GenerationDefaults
 
 SERVICE = "cbserve.generate.GenerateService"
 

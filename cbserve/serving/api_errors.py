@@ -15,8 +15,8 @@ import math
 from fastapi.responses import JSONResponse
 
 from cbserve.errors import InvalidRequestError
+from cbserve.serving.front.schemas import ErrorInfo, ErrorResponse
 from cbserve.serving.protocol import WorkerEvent
-from cbserve.serving.schemas import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "invalid_request_error",

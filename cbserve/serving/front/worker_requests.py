@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.front.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.front.service_args import GenerationDefaults, LimitsConfig, RoutingConfig
 from cbserve.serving.protocol import Sampling, WorkerRequest
-from cbserve.serving.settings import GenerationDefaults, LimitsConfig, RoutingConfig
 
 
 def check_limits(limits: LimitsConfig, max_tokens: int | None = None, n: int = 1, prompts: int = 1,

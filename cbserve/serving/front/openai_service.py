@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.chat_replies import ChatRendering
+from cbserve.serving.api_errors import APIError, openai_error
 from cbserve.serving.chat_template import template_messages
 from cbserve.serving.constraints import requested, tool_choice_mode, tool_constraint
-from cbserve.serving.errors import APIError, openai_error
-from cbserve.serving.metrics import ServingMetrics
-from cbserve.serving.protocol import Constraint, Sampling, WorkerRequest
-from cbserve.serving.replies import (
+from cbserve.serving.front.chat_replies import ChatRendering
+from cbserve.serving.front.metrics import ServingMetrics
+from cbserve.serving.front.replies import (
     ChoiceResult,
     ChoiceStream,
     Piece,
@@ -34,15 +33,7 @@ from cbserve.serving.replies import (
     usage,
     worker_failure,
 )
-from cbserve.serving.requests import (
-    check_limits,
-    logit_bias,
-    routing_hashes,
-    sampling,
-    user_tenant,
-    worker_request,
-)
-from cbserve.serving.schemas import (
+from cbserve.serving.front.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -55,7 +46,16 @@ from cbserve.serving.schemas import (
     StreamOptions,
     _new_id,
 )
-from cbserve.serving.settings import ServiceArgs
+from cbserve.serving.front.service_args import ServiceArgs
+from cbserve.serving.front.worker_requests import (
+    check_limits,
+    logit_bias,
+    routing_hashes,
+    sampling,
+    user_tenant,
+    worker_request,
+)
+from cbserve.serving.protocol import Constraint, Sampling, WorkerRequest
 
 OpenChoice = Callable[[WorkerRequest], Awaitable[ChoiceStream]]
 Chunk = Callable[[list[Any], Any], Any]  # (choices, usage) -> a chunk model

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.errors import ABORTED, CUT_SHORT, APIError, error_event, refusal
-from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent
-from cbserve.serving.schemas import (
+from cbserve.serving.api_errors import ABORTED, CUT_SHORT, APIError, error_event, refusal
+from cbserve.serving.front.schemas import (
     ChatLogprobs,
     ChatLogprobToken,
     CompletionChoice,
@@ -26,6 +25,7 @@ from cbserve.serving.schemas import (
     TopLogprob,
     UsageInfo,
 )
+from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
 from cbserve.outputs import GenerationOutput
+from cbserve.serving.api_errors import error_event
 from cbserve.serving.chat_template import chat_token_ids
-from cbserve.serving.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from cbserve.serving.errors import error_event
 from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
+from cbserve.serving.replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,2 @@
+"""Next to the engine (an engine replica, a batch engine actor): one `WorkerRequest` on a
+manager, its events streamed back."""
