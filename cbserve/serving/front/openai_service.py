@@ -154,14 +154,12 @@ class OpenAIService:
         )
 
     @staticmethod
-    def _choice(req: SamplingFields, rid: str, choice: int, block: Sampling, max_tokens: int | None,
-                hashes: list[int], fields: dict[str, Any]) -> WorkerRequest:
-        """One choice (its own seed: the call's + its index); `fields`: its prompt and the
-        request's other worker fields."""
-        if block.seed is not None:
-            block = block.model_copy(update={"seed": block.seed + choice})
-        return worker_request(rid, hashes, block, max_tokens=max_tokens, stop=req.stop_list(),
-                              skip_special_tokens=req.skip_special_tokens, **fields)
+    def _choices(first: WorkerRequest, n: int) -> list[WorkerRequest]:
+        """A prompt's `n` choices: `first` (its id ending in "-0") and copies of it, each with its
+        own id and seed (the call's + its index)."""
+        base, seed = first.request_id.removesuffix("-0"), first.sampling.seed
+        return [first] + [first.model_copy(update={"request_id": f"{base}-{c}", "sampling": first.sampling.model_copy(
+            update={"seed": None if seed is None else seed + c})}) for c in range(1, n)]
 
     def completion_requests(self, req: CompletionRequest, rid: str) -> list[WorkerRequest]:
         prompts = req.prompts()
@@ -171,14 +169,16 @@ class OpenAIService:
                 raise InvalidRequestError(name, f"{name} is not supported by this server")
         echo_k = req.logprobs if req.echo else None
         wanted = [k for k in (echo_k, req.prompt_logprobs) if k is not None]
-        block = self._sampling(req, rid, req.logprobs, max(wanted) if wanted else None)
-        fields: dict[str, Any] = {"constraint": requested(req), "logprobs": req.logprobs is not None, "echo": req.echo}
+        block, constraint = self._sampling(req, rid, req.logprobs, max(wanted) if wanted else None), requested(req)
         out = []
         for p_idx, prompt in enumerate(prompts):
-            form = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
-            hashes = routing_hashes(self.args.routing, prompt)
-            out += [self._choice(req, f"{rid}-{p_idx}-{c}", c, block, req.max_tokens, hashes, {**fields, **form})
-                    for c in range(req.n)]
+            first = worker_request(
+                f"{rid}-{p_idx}-0", routing_hashes(self.args.routing, prompt), block,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_ids=None if isinstance(prompt, str) else prompt, max_tokens=req.max_tokens,
+                stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens, constraint=constraint,
+                logprobs=req.logprobs is not None, echo=req.echo)
+            out += self._choices(first, req.n)
         return out
 
     def _chat_constraint(self, req: ChatCompletionRequest, mode: str) -> Constraint | None:
@@ -196,12 +196,13 @@ class OpenAIService:
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with stream on chat completions")
         messages = template_messages(req.messages)
-        hashes = routing_hashes(self.args.routing, messages=messages)
-        block = self._sampling(req, rid, req.top_logprobs, req.prompt_logprobs)
-        fields: dict[str, Any] = {
-            "messages": messages, "constraint": self._chat_constraint(req, mode), "logprobs": req.logprobs,
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None}
-        return [self._choice(req, f"{rid}-{c}", c, block, max_tokens, hashes, fields) for c in range(req.n)]
+        first = worker_request(
+            f"{rid}-0", routing_hashes(self.args.routing, messages=messages),
+            self._sampling(req, rid, req.top_logprobs, req.prompt_logprobs), messages=messages,
+            max_tokens=max_tokens, stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens,
+            constraint=self._chat_constraint(req, mode), logprobs=req.logprobs,
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
+        return self._choices(first, req.n)
 
     # -- running choices ------------------------------------------------------------------------
 
