@@ -1,10 +1,11 @@
-"""The online API: a manager owning one engine and the background thread running its loop.
+"""The online API: a manager owning one engine, driven by an `EngineLoop` (engine_loop.py: the
+background thread, its inbox, parking and lifecycle state).
 
-Callers talk to the loop through a command inbox (add, cancel) and an output store; the loop
-sleeps on a condition when idle and wakes on new work, a pause or a stop. The semantics are
-transformers' (`generation/continuous_batching/continuous_api.py`): requests may be queued
-before `start()`; `stop()` finishes queued and running work (or, with `hard_stop`, fails it) and
-gives the model back its own attention implementation and modules, which `start()` takes again;
+The manager is the facade with transformers' semantics
+(`generation/continuous_batching/continuous_api.py`): it validates requests and hands them to the
+loop, and hands out their outputs (sync, async, by callback); requests may be queued before
+`start()`; `stop()` finishes queued and running work (or, with `hard_stop`, fails it) and gives
+the model back its own attention implementation and modules, which `start()` takes again;
 `pause()` parks the loop between two steps, with the model given back, keeping the cache and the
 requests in flight; `destroy()` stops gracefully, then frees the cache for good.
 """
@@ -14,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from contextlib import AbstractContextManager, aclosing
 from typing import Any
 
 import torch
@@ -25,9 +25,13 @@ from transformers import GenerationConfig
 
 from cbserve import config as engine_config
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.engine_loop import (
+    MAX_FAILED_STEPS,  # noqa: F401 (re-exported: its old home)
+    EngineLoop,
+    LoopState,
+)
 from cbserve.errors import QueueFullError
-from cbserve.output_store import OutputStore
-from cbserve.outputs import FinishReason, GenerationOutput, RequestStatus, TokenClock
+from cbserve.outputs import GenerationOutput
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.workers import validation
 from cbserve.workers.factory import build_engine
@@ -37,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 MODEL_ATTRIBUTE = "_cbserve_manager"  # where a persistent manager waits on its model for the next session
 WARMUP_REQUEST_ID = "cbserve-warmup"
-MAX_FAILED_STEPS = 3  # engine faults in a row after which the loop ends (every step failing: a broken engine)
 
 
 def workload_from_hints(hints: Any) -> Workload | None:
@@ -75,66 +78,34 @@ class ContinuousBatchingManager:
         self.engine = build_engine(model, generation_config, config, workload_from_hints(workload_hints))
         self.config = self.engine.config
         self.generation_config = self.engine.generation_config
-        self._outputs = OutputStore()
-        self._clock = TokenClock()
-        # An RLock: cancel_request may be called with it held (async_request_iter).
-        self._cond = threading.Condition(threading.RLock())
-        self._inbox: list[tuple[str, Any]] = []
-        self._inbox_adds = 0
-        # Accepted and without a final output yet. A request leaves this dict after its final
-        # output is stored, in one critical section: "not live and nothing stored" means its
-        # outputs were all handed out.
-        self._live: dict[str, Request] = {}
+        self._loop = EngineLoop(self.engine, self.config.step_timeout_s)
+        # The loop's lock, live requests and outputs: a submission checks and queues atomically.
+        self._cond, self._live, self._outputs = self._loop.cond, self._loop.live, self._loop.outputs
         self._next_id = 0
-        self._thread: threading.Thread | None = None
-        self._lifecycle = threading.Lock()  # start/stop/destroy from several threads
-        self._loop_running = False
-        self._started = False
-        self._accepting = True  # requests may be queued before start()
-        self._stopping = False
-        self._hard_stop = False
-        self._grace_expired = False  # a stop(timeout=...) returned with the loop still finishing
-        self._destroyed = False
-        self._pauses = 0
-        self._paused = False
-        self._pause_holders = threading.local()
         self.warmed_up = False
-        self.error: BaseException | None = None
-        # A step that failed through no request's fault (kernel, device, TP group): the engine is
-        # suspect for good, so check_health() fails and Serve replaces a served replica.
-        self.engine_fault: BaseException | None = None
-        self._failed_steps = 0  # in a row; at MAX_FAILED_STEPS the loop ends instead of failing all it is sent
-        self._step_began: float | None = None  # the step watchdog's clock (time.monotonic)
 
     @property
     def continuous_batching_config(self) -> ContinuousBatchingConfig:
         return self.config
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the loop last failed a step or died (None since `start()` otherwise)."""
+        return self._loop.error
+
+    @property
+    def engine_fault(self) -> BaseException | None:
+        """The last step that failed through no request's fault: check_health() fails for good."""
+        return self._loop.engine_fault
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the background loop (taking the model: cbserve's attention, packed linears)."""
-        with self._lifecycle:
-            if self._destroyed:
-                raise RuntimeError("this manager was destroyed and cannot be restarted")
-            if self.is_running() and not self._stopping:
-                logger.warning("Manager thread is already running.")
-                return
-            if self._thread is not None:  # a stop that had not finished yet
-                self._thread.join()
-                self._thread = None
-            self.engine.take_model()
-            with self._cond:
-                self._accepting, self._stopping, self._hard_stop = True, False, False
-                self._loop_running = self._started = True
-            self._grace_expired = False
-            self.error = self.engine_fault = None
-            self._failed_steps = 0
-            self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
-            self._thread.start()
+        self._loop.start()
 
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.is_running()
 
     def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False,
              hard_stop: bool = False) -> None:
@@ -143,122 +114,69 @@ class ContinuousBatchingManager:
         implementation and modules. `block`: wait for that, `timeout` seconds at most.
         `keep_for_next_session`: the manager stays on the model, for the next
         `init_continuous_batching` / `continuous_batching(..., persistent_manager=True)`."""
-        if getattr(self._pause_holders, "count", 0):
+        if self._loop.holds_pause():
             raise RuntimeError("Cannot stop the manager from inside a pause: the generation loop is paused and cannot "
                                "exit, so this would wait forever. Leave the `pause` context before calling `stop`.")
-        with self._lifecycle:
-            if self._thread is None:
-                if not self._started:
-                    logger.warning("Manager not started.%s", " Hence the unstarted manager will not be kept for "
-                                   "next session." if keep_for_next_session else "")
-                elif keep_for_next_session:
-                    self._keep_on_model()
-                return
-            with self._cond:
-                self._accepting = False
-                self._stopping = True
-                self._hard_stop = self._hard_stop or hard_stop
-                self._cond.notify_all()
+        if not self._loop.stop(hard_stop):  # no loop thread
+            if self._loop.state is LoopState.IDLE:
+                logger.warning("Manager not started.%s", " Hence the unstarted manager will not be kept for "
+                               "next session." if keep_for_next_session else "")
+            elif keep_for_next_session and self._loop.state is LoopState.STOPPED:
+                self._keep_on_model()
+            return
         if block:
             self.join(time.perf_counter(), timeout)
         if keep_for_next_session:
             self._keep_on_model()
-        if hard_stop and self._thread is None:  # no loop runs now: fail what it left (nothing, unless it died)
-            self._fail_everything(RuntimeError("the manager was hard-stopped"))
+        if hard_stop and not self.is_running():  # no loop runs now: fail what it left (nothing, unless it died)
+            self._loop.fail_everything(RuntimeError("the manager was hard-stopped"))
 
     def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
         """Wait for the loop thread to end, `timeout` seconds at most (None: no limit)."""
-        thread = self._thread
-        if thread is None:
-            return
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning("Generation thread did not exit after join timeout (%s).", timeout)
-            self._grace_expired = self._grace_expired or (timeout is not None and self._stopping)
-            return
-        if stop_trigger_time is not None:
+        if self._loop.join(timeout) and stop_trigger_time is not None:
             logger.info("Background generation thread stopped after %.2fs.", time.perf_counter() - stop_trigger_time)
-        with self._lifecycle:
-            if self._thread is thread:
-                self._thread = None
 
     def destroy(self, timeout: float | None = None) -> None:
         """Stop gracefully if running (waiting `timeout` seconds at most, then hard-stopping; a loop
         already given a grace period by `stop(timeout=...)` is hard-stopped at once), give the model
         back, free the KV cache. Safe to call twice; the manager cannot be restarted."""
-        if self._destroyed:
+        if self._loop.state is LoopState.DESTROYED:
             return
-        if getattr(self._pause_holders, "count", 0):
+        if self._loop.holds_pause():
             raise RuntimeError("Cannot destroy the manager from inside a pause: leave the `pause` context first.")
         if self.is_running():
-            self.stop(block=True, timeout=timeout, hard_stop=self._stopping and self._grace_expired)
+            self.stop(block=True, timeout=timeout, hard_stop=self._loop.state is LoopState.OVERDUE)
             if self.is_running():
                 self.stop(block=True, hard_stop=True)
         self.join()
-        with self._lifecycle:
-            if self._destroyed:
-                return
-            # Requests queued but never started: nothing will run them.
-            self._fail_everything(RuntimeError("the manager was destroyed before these requests ran"))
-            self.engine.release_model()
-            with self._cond:
-                self._destroyed, self._accepting = True, False
-            self.engine.cache.k.clear()
-            self.engine.cache.v.clear()
-            if getattr(self.model, MODEL_ATTRIBUTE, None) is self:
-                delattr(self.model, MODEL_ATTRIBUTE)
-        self._outputs.wake()
+        if self._loop.destroy() and getattr(self.model, MODEL_ATTRIBUTE, None) is self:
+            delattr(self.model, MODEL_ATTRIBUTE)
 
     def _keep_on_model(self) -> None:
         logger.info("Continuous batching manager will be kept for next session.")
         setattr(self.model, MODEL_ATTRIBUTE, self)
 
-    @contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self) -> AbstractContextManager[None]:
         """Park the loop between two steps, the model given back to the caller (its own attention
         implementation and linear layers: to use it or update its weights in place), keeping the
         cache and every request in flight; the loop takes the model again (packing the weights
         afresh) and resumes on exit. Several threads may hold the pause at once: the loop resumes
         when the last one leaves."""
-        if not self.is_running():
-            raise RuntimeError("Cannot pause generation while no generation loop is running.")
-        with self._cond:
-            self._pauses += 1
-            self._pause_holders.count = getattr(self._pause_holders, "count", 0) + 1
-            self._cond.notify_all()
-            try:
-                while not self._paused and self._loop_running:
-                    self._cond.wait()
-            except BaseException:
-                self._release_pause()
-                raise
-            if not self._paused:
-                self._release_pause()
-                raise RuntimeError("The generation loop stopped before it could pause.") from self.error
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._release_pause()
-
-    def _release_pause(self) -> None:
-        self._pauses -= 1
-        self._pause_holders.count -= 1
-        self._cond.notify_all()
+        return self._loop.pause()
 
     def warmup(self) -> None:
         """Compile and capture CUDA graphs ahead, when those are on: one request of
         `max_batch_tokens` prompt tokens and 2 new tokens runs through the engine (a varlen step,
         then a decode step). Nothing to do otherwise. Call it before `start()`."""
         engine = self.engine
-        if engine.runner.graphs is None and not engine.runner.forward.enabled:
+        if not engine.needs_warmup:
             self.warmed_up = True
             return
         if self.is_running() or engine.has_work:
             logger.warning("warmup() skipped: the loop is running or the engine holds requests; graphs are captured "
                            "and code compiled as requests run")
             return
-        length = min(engine.max_batch_tokens, engine.capacity_tokens - 2, engine.shape.max_context - 2)
+        length = min(engine.max_batch_tokens, engine.capacity_tokens - 2, engine.max_context - 2)
         held = engine.holds_model
         engine.take_model()
         try:
@@ -308,14 +226,11 @@ class ContinuousBatchingManager:
                 record_timestamps: bool, eos_token_id: int | list[int] | None, sampling_args: dict,
                 group_prefixes: bool = False) -> list[str]:
         with self._cond:
-            if not self._accepting:
+            if not self._loop.state.accepting:
                 given = [rid for _, rid in prompts if rid is not None]
                 logger.warning("add_request refused%s: the manager is %s", f" ({', '.join(given)})" if given else "",
-                               "destroyed" if self._destroyed else "stopped")
-                if self._failed_steps >= MAX_FAILED_STEPS:
-                    raise RuntimeError(f"the batching loop stopped: its engine failed {self._failed_steps} steps in a "
-                                       f"row (last: {self.engine_fault!r}); start() it again or replace it")
-                raise RuntimeError("the manager is stopped: call start() before adding requests")
+                               "destroyed" if self._loop.state is LoopState.DESTROYED else "stopped")
+                raise self._loop.refusal()
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             share = validation.scheduling(self.config.priority_scheduling, **{
@@ -338,14 +253,8 @@ class ContinuousBatchingManager:
                 requests[-1].cache_salt = cache_salt
                 new_ids.add(request_id)
             # All valid: queue them, prompts sharing prefixes next to each other.
-            queued = sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests
-            for request in queued:
-                self._live[request.request_id] = request
-                if record_timestamps:
-                    self._clock.track(request.request_id)
-                self._inbox.append(("add", request))
-            self._inbox_adds += len(queued)
-            self._cond.notify_all()
+            self._loop.queue(sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests,
+                             record_timestamps)
         return [r.request_id for r in requests]
 
     def next_request_ids(self, count: int) -> list[str]:
@@ -365,16 +274,13 @@ class ContinuousBatchingManager:
         limit = self.config.max_queue_size
         if not limit:
             return
-        waiting = self._inbox_adds + len(self.engine.scheduler.waiting)
+        waiting = self._loop.num_waiting
         if waiting + count > limit:
             raise QueueFullError(limit, waiting)
 
     def cancel_request(self, request_id: str) -> None:
         """Stop the request at the next step and free its pages; no-op if unknown or done."""
-        with self._cond:
-            if request_id in self._live:
-                self._inbox.append(("cancel", request_id))
-                self._cond.notify_all()
+        self._loop.cancel(request_id)
 
     def _sampling(self, kwargs: dict[str, Any]) -> SamplingParams | None:
         unknown = sorted(set(kwargs) - _sampling_arguments())
@@ -382,7 +288,7 @@ class ContinuousBatchingManager:
             raise TypeError(f"add_request() got unexpected keyword arguments {unknown}; per-request sampling "
                             f"arguments are {sorted(_sampling_arguments())}")
         return validation.sampling(self.engine.default_sampling(), self.config.per_request_processors,
-                                   self.engine.shape.vocab_size, **kwargs)
+                                   self.engine.vocab_size, **kwargs)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -390,12 +296,7 @@ class ContinuousBatchingManager:
         """The next output (only `request_id`'s when given); None after `timeout`, and at once when
         none is stored and none can come: the loop is not running (never started, stopped,
         destroyed, dead), or `request_id` is not a live request."""
-        return self._outputs.get(request_id, timeout, hopeless=functools.partial(self._hopeless, request_id))
-
-    def _hopeless(self, request_id: str | None) -> bool:
-        # Lock-free reads (called under the store's lock): _emit stores a final output before the
-        # request leaves _live, so "not live" here means its outputs are stored or handed out.
-        return not self._loop_running or (request_id is not None and request_id not in self._live)
+        return self._outputs.get(request_id, timeout, hopeless=functools.partial(self._loop.hopeless, request_id))
 
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], Any]) -> None:
         """From a coroutine: every output of `request_id` (each token when streaming, else the final
@@ -409,14 +310,9 @@ class ContinuousBatchingManager:
             if output is not None:
                 yield output
 
-    def _may_have_more(self, request_id: str) -> bool:
-        with self._cond:
-            live = request_id in self._live and self._loop_running
-            return live or self._outputs.has_output(request_id)
-
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Every output of one request (each new token when streaming), ending with the final one."""
-        while self._may_have_more(request_id):
+        while self._loop.may_have_more(request_id):
             output = self._outputs.get(request_id, timeout=0.1)
             if output is None:
                 continue
@@ -438,8 +334,8 @@ class ContinuousBatchingManager:
         request if the consumer goes away first."""
         finished = exhausted = False
         try:
-            while self._may_have_more(request_id):
-                # The store wakes this when the loop ends (`_loop_finished`); the timeout is a backstop.
+            while self._loop.may_have_more(request_id):
+                # The store wakes this when the loop ends; the timeout is a backstop.
                 batch = await self._outputs.get_all_async(request_id, timeout=1.0)
                 if not batch:
                     continue
@@ -450,151 +346,14 @@ class ContinuousBatchingManager:
             exhausted = True  # the loop is not running: nothing more can come now
         finally:
             if not finished and not exhausted:
-                with self._cond:  # atomic with _emit: a final output is either dropped or never stored
-                    self.cancel_request(request_id)
-                    self._outputs.discard(request_id, finished=request_id not in self._live)
+                self._loop.abandon(request_id)
 
     def check_health(self) -> None:
         """Raise RuntimeError when this manager cannot serve: stopped, its loop died, or its
         engine broken (a tensor-parallel rank died or hung)."""
-        if self._destroyed:
-            raise RuntimeError("the manager was destroyed")
-        if not self.is_running():
-            raise RuntimeError(f"the batching loop is not running ({self.error!r})")
-        if self.engine_fault is not None:
-            raise RuntimeError(f"the engine failed a step: {self.engine_fault!r}")
-        began, limit = self._step_began, self.config.step_timeout_s
-        if began is not None and limit is not None and time.monotonic() - began > limit:
-            raise RuntimeError(f"the engine's step has run for {time.monotonic() - began:.0f} s, "
-                               f"beyond step_timeout_s={limit:g}")
-        self.engine.check_health()
+        self._loop.check_health()
 
     def stats(self) -> dict[str, float]:
         stats = self.engine.stats()
         stats["live_requests"] = len(self._live)
         return stats
-
-    # -- the loop (background thread) --------------------------------------------------------
-
-    def _emit(self, request: Request) -> None:
-        """Hand out a final output (exactly once) or a streaming partial one."""
-        final = request.status.is_final
-        if not final and not request.streaming:
-            return
-        with self._cond:
-            if self._live.get(request.request_id) is not request:  # its final output went out
-                return
-            self._outputs.put(self._clock.stamp(request.snapshot()))
-            if final:
-                del self._live[request.request_id]
-
-    def _fail_everything(self, error: BaseException) -> None:
-        """Fail every live request (in the inbox or the engine) with `error`, freeing its pages.
-        Called by the loop thread, or by another thread when no loop runs."""
-        with self._cond:
-            self._inbox, self._inbox_adds = [], 0  # every queued add is in _live; queued cancels are moot
-            live = list(self._live.values())
-        try:
-            self.engine.fail_all(error)
-        except Exception:
-            logger.exception("failing the engine's requests failed; pages may leak")
-        for request in live:
-            if not request.status.is_final:
-                request.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
-            self._emit(request)
-
-    def _apply_inbox(self) -> None:
-        with self._cond:
-            inbox, self._inbox, self._inbox_adds = self._inbox, [], 0
-        for kind, item in inbox:
-            if kind == "add":
-                try:
-                    self.engine.add_request(item)
-                except Exception as error:  # this request's admission failed: it alone fails
-                    logger.exception("admitting request %s failed", item.request_id)
-                    self.engine.fail_request(item, error)
-                    self._emit(item)
-            else:
-                request = self.engine.cancel_request(item)
-                if request is not None:
-                    self._emit(request)
-
-    def _loop(self) -> None:
-        try:
-            while self._run_once():
-                pass
-        except BaseException as error:  # the thread dies: nobody may wait forever
-            logger.exception("batching loop died; failing every live request")
-            with self._cond:
-                self._accepting = False
-            self.error = error
-            self._fail_everything(RuntimeError(f"the batching loop died: {error!r}"))
-        finally:
-            self._loop_finished()
-
-    def _loop_finished(self) -> None:
-        """The loop gives the model back, then wakes whoever waits for it (pause, get_result)."""
-        try:
-            self.engine.give_back_model()
-        except Exception:
-            logger.exception("giving the model back failed")
-        with self._cond:
-            self._loop_running = self._paused = False
-            self._cond.notify_all()
-        self._outputs.wake()
-
-    def _run_once(self) -> bool:
-        """One turn of the loop: apply adds and cancels, run one step. False: the loop ends."""
-        with self._cond:
-            while not (self._inbox or self.engine.has_work or self._stopping or self._pauses):
-                self._cond.wait()
-            hard, stopping, pause = self._hard_stop, self._stopping, self._pauses > 0
-        if hard:
-            self._fail_everything(RuntimeError("the manager was hard-stopped"))
-            return False
-        if pause:
-            self._park()
-            return True
-        try:
-            self._apply_inbox()
-            if not self.engine.has_work:
-                with self._cond:
-                    return not (stopping and not self._inbox)
-            self._step_began = time.monotonic()
-            updated = self.engine.step()
-            self._step_began, self._failed_steps = None, 0
-            self._clock.tick(updated)
-            for request in updated:
-                self._emit(request)
-        except Exception as error:  # not one request's fault: fail what was live, report unhealthy
-            self._step_began = None
-            self._failed_steps += 1
-            logger.exception("engine step failed (%d in a row); failing every live request", self._failed_steps)
-            return self._engine_failed(error)
-        return True
-
-    def _engine_failed(self, error: Exception) -> bool:
-        """A step failed outside any one request: every live request fails and check_health()
-        fails from now on. The loop keeps serving, unless MAX_FAILED_STEPS failed in a row: a
-        broken engine then stops, loudly, rather than failing everything it is sent."""
-        self.error = self.engine_fault = error
-        ending = self._failed_steps >= MAX_FAILED_STEPS
-        if ending:
-            logger.error("the batching loop stops: its engine failed %d steps in a row", self._failed_steps)
-            with self._cond:
-                self._accepting = False
-        self._fail_everything(error)
-        return not ending
-
-    def _park(self) -> None:
-        """Pause: give the model back, wait until every holder left, take it again."""
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)  # a launched pass must not read weights being updated
-        self.engine.give_back_model()
-        with self._cond:
-            self._paused = True
-            self._cond.notify_all()
-            while self._pauses:
-                self._cond.wait()
-            self._paused = False
-        self.engine.take_model()

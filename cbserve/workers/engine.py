@@ -270,6 +270,31 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
+    # -- what the manager's loop asks (it uses no part of the engine directly) ------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted and not scheduled yet (what `max_queue_size` bounds, with the inbox)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.shape.max_context
+
+    @property
+    def needs_warmup(self) -> bool:
+        """Whether the first steps capture CUDA graphs or compile code (what a warmup does ahead)."""
+        return self.runner.graphs is not None or self.runner.forward.enabled
+
+    def free_cache(self) -> None:
+        """Free the KV cache's memory for good (a destroyed manager)."""
+        self.cache.k.clear()
+        self.cache.v.clear()
+
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
