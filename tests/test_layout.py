@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "cbserve"
 MAX_FUNCTION_LINES = 60
 ENGINE = ("cbserve.scheduler", "cbserve.workers", "cbserve.kernels", "cbserve.api", "cbserve.manager",
-          "cbserve.config", "cbserve.outputs", "cbserve.output_store", "cbserve.errors")
+          "cbserve.engine_loop", "cbserve.config", "cbserve.outputs", "cbserve.output_store", "cbserve.errors")
 FRONTS = ("cbserve.serving", "cbserve.cluster", "cbserve.batch", "ray")
 
 
@@ -73,6 +73,42 @@ def test_no_import_cycles() -> None:
 def test_the_engine_never_imports_a_front_or_ray(name: str) -> None:
     bad = sorted(i for i in imports(name) if within(i, FRONTS))
     assert not bad, f"{name} imports {bad}"
+
+
+# The engine's parts: the manager and its loop ask the engine (`num_waiting`, `free_cache()`,
+# `needs_warmup`, `vocab_size`, ...) instead of reaching into them.
+ENGINE_PARTS = {"cache", "runner", "scheduler", "shape", "block_manager", "sampler", "host_pool", "node_pool",
+                "parallel", "requests", "packed_linears", "attention_backend"}
+ENGINE_USERS = ("cbserve.manager", "cbserve.engine_loop")
+
+
+def _is_engine(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "engine") or (
+        isinstance(node, ast.Attribute) and node.attr == "engine")
+
+
+def engine_internals(source: str) -> list[str]:
+    """`engine.<part>` and `engine._private` in `source` (`engine` a name or an attribute)."""
+    found = {(node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Attribute) and _is_engine(node.value)
+             and (node.attr in ENGINE_PARTS or node.attr.startswith("_"))}
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+@pytest.mark.parametrize("name", ENGINE_USERS)
+def test_the_manager_uses_no_engine_internals(name: str) -> None:
+    found = engine_internals(MODULES[name].read_text())
+    assert not found, f"{name} reaches into the engine: {found}"
+
+
+def test_the_engine_internals_check_can_fail() -> None:
+    """The manager as it was before the engine loop's split is found."""
+    old = ("def destroy(self):\n    self.engine.cache.k.clear()\n"
+           "def warmup(self):\n    engine = self.engine\n    if engine.runner.graphs is None:\n        return\n"
+           "def room(self):\n    return len(self.engine.scheduler.waiting) + self.engine._in_flight\n")
+    assert engine_internals(old) == ["line 2: self.engine.cache", "line 5: engine.runner",
+                                     "line 8: self.engine._in_flight", "line 8: self.engine.scheduler"]
+    assert engine_internals("def f(self):\n    return self.engine.num_waiting, engine.vocab_size, x.cache\n") == []
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if within(m, ("cbserve.kernels",))))
