@@ -576,6 +576,9 @@ RunFn pick(at::ScalarType dtype, const std::string& isa) {
   }
 }
 
+// Multiply-adds of q.k (rows x context x heads x head_dim) below which one thread does the step.
+constexpr int64_t SMALL_WORK = 1 << 19;
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& block_tables,
                            const at::Tensor& context_lens, double scale, int64_t window, double softcap,
@@ -619,8 +622,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
          row_request.data(), row_position.data(), q.size(1), q.size(2), page_size, k_cache.size(2), width,
          window, scale, softcap};
   const RunFn run = pick(q.scalar_type(), isa);
-  const int64_t threads = at::get_num_threads();
+  // A step of little attention work (one decode row over a short context) runs on this thread: a
+  // parallel region costs more than it saves there, far more when the other cores are busy (a
+  // descheduled worker holds the whole region). The tasks are the same either way.
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += (cup[b + 1] - cup[b]) * lp[b];
+  const bool small = work * q.size(1) * q.size(2) < SMALL_WORK;
+  const int64_t threads = small ? 1 : at::get_num_threads();
   const int64_t splits = used >= 4 * threads ? 1 : a.kv_heads;
+  if (small) {
+    run(a, Tasks{0, 1, used * splits, splits});
+    return out;
+  }
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) run(a, Tasks{t, threads, used * splits, splits});
   });
