@@ -68,26 +68,32 @@ def fanout_body(target: load.Target, prompts: int, n: int, max_tokens: int, roun
             "ignore_eos": True}
 
 
+async def fanout_request(session: aiohttp.ClientSession, target: load.Target, args: argparse.Namespace,
+                         state: FanOut, round_: int) -> None:
+    """One fan-out request, waited for; its span and tokens (or error) go to `state`."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    start = state.in_flight_since = time.perf_counter()
+    body = fanout_body(target, args.prompts, args.n, args.fanout_max_tokens, round_)
+    try:
+        async with session.post(target.base_url + "/v1/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=args.timeout_s)) as resp:
+            reply = await resp.json(content_type=None)
+        if resp.status != 200:
+            state.errors.append(f"http_{resp.status}: {str(reply)[:200]}")
+        else:
+            state.tokens += reply["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        state.errors.append(f"{type(exc).__name__}: {exc}")
+    state.in_flight_since = None
+    state.spans.append((start, time.perf_counter()))
+
+
 async def fanout_loop(session: aiohttp.ClientSession, target: load.Target, args: argparse.Namespace,
                       state: FanOut, stop: asyncio.Event) -> None:
     """Send fan-out requests back to back until `stop` is set (the one in flight then finishes)."""
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    round_ = 0
+    round_ = 1  # round 0 ran alone
     while not stop.is_set():
-        start = state.in_flight_since = time.perf_counter()
-        body = fanout_body(target, args.prompts, args.n, args.fanout_max_tokens, round_)
-        try:
-            async with session.post(target.base_url + "/v1/completions", json=body, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=args.timeout_s)) as resp:
-                reply = await resp.json(content_type=None)
-            if resp.status != 200:
-                state.errors.append(f"http_{resp.status}: {str(reply)[:200]}")
-            else:
-                state.tokens += reply["usage"]["completion_tokens"]
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            state.errors.append(f"{type(exc).__name__}: {exc}")
-        state.in_flight_since = None
-        state.spans.append((start, time.perf_counter()))
+        await fanout_request(session, target, args, state, round_)
         round_ += 1
 
 
@@ -130,15 +136,21 @@ async def measure(target: load.Target, args: argparse.Namespace) -> dict[str, An
     async with aiohttp.ClientSession() as session:
         await probes(session, probe_target, argparse.Namespace(**{**vars(args), "probes": 2}), 10**6)  # warm-up
         idle = await probes(session, probe_target, args, 0)
+        alone = FanOut()
+        progress("idle", idle)
+        for _ in range(args.alone):  # the fan-out's throughput with nothing else running
+            await fanout_request(session, fan_target, args, alone, 0)
+        progress("alone", alone=alone)
         state, stop = FanOut(), asyncio.Event()
         t0 = time.perf_counter()
         loop = asyncio.ensure_future(fanout_loop(session, fan_target, args, state, stop))
         await asyncio.sleep(args.settle_s)  # the first fan-out admitted and decoding
         busy = await probes(session, probe_target, args, 1000, state)
+        progress("busy", busy)
         stop.set()
         await loop
         wall = time.perf_counter() - t0
-    return summary(idle, busy, state, wall, args)
+    return summary(idle, busy, alone, state, wall, args)
 
 
 # -- --manager: the engine alone (a manager in this process: no HTTP, no Ray) -------------------
@@ -156,18 +168,24 @@ def manager_probe(manager: Any, prompt: list[int], args: argparse.Namespace, ind
     return ttft
 
 
+def manager_fanout_request(manager: Any, prompts: list[list[int]], args: argparse.Namespace, state: FanOut,
+                           round_: int) -> None:
+    start = state.in_flight_since = time.perf_counter()
+    tenant = "probe" if args.one_tenant else "fanout"
+    rids = [manager.add_request(p, max_new_tokens=args.fanout_max_tokens, tenant=tenant,
+                                parent_id=f"fanout-{round_}") for p in prompts for _ in range(args.n)]
+    for rid in rids:
+        out = manager.get_result(rid, timeout=args.timeout_s)
+        state.tokens += len(out.generated_tokens) if out is not None else 0
+    state.in_flight_since = None
+    state.spans.append((start, time.perf_counter()))
+
+
 def manager_fanout(manager: Any, prompts: list[list[int]], args: argparse.Namespace, state: FanOut,
                    stop: threading.Event) -> None:
-    round_ = 0
+    round_ = 1  # round 0 ran alone
     while not stop.is_set():
-        start = state.in_flight_since = time.perf_counter()
-        rids = [manager.add_request(p, max_new_tokens=args.fanout_max_tokens, tenant="fanout",
-                                    parent_id=f"fanout-{round_}") for p in prompts for _ in range(args.n)]
-        for rid in rids:
-            out = manager.get_result(rid, timeout=args.timeout_s)
-            state.tokens += len(out.generated_tokens) if out is not None else 0
-        state.in_flight_since = None
-        state.spans.append((start, time.perf_counter()))
+        manager_fanout_request(manager, prompts, args, state, round_)
         round_ += 1
 
 
@@ -200,38 +218,73 @@ def measure_manager(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [tokenizer(t).input_ids for t in body["prompt"]]
         manager_probes(manager, tokenizer, argparse.Namespace(**{**vars(args), "probes": 2}), 10**6)  # warm-up
         idle = manager_probes(manager, tokenizer, args, 0)
+        alone = FanOut()
+        progress("idle", idle)
+        for _ in range(args.alone):
+            manager_fanout_request(manager, prompts, args, alone, 0)
+        progress("alone", alone=alone)
         state, stop = FanOut(), threading.Event()
         t0 = time.perf_counter()
         loop = threading.Thread(target=manager_fanout, args=(manager, prompts, args, state, stop))
         loop.start()
         time.sleep(args.settle_s)
         busy = manager_probes(manager, tokenizer, args, 1000, state)
+        progress("busy", busy)
         stop.set()
         loop.join()
         wall = time.perf_counter() - t0
     finally:
         manager.stop()
-    return summary(idle, busy, state, wall, args)
+    return summary(idle, busy, alone, state, wall, args)
 
 
-def summary(idle: list[float], busy: list[float], state: FanOut, wall: float, args: argparse.Namespace) -> dict:
+def progress(phase: str, ttfts: list[float] | None = None, alone: FanOut | None = None) -> None:
+    """A phase's figures as it ends (a run cut short by a timeout still shows them)."""
+    if ttfts is not None:
+        print(f"{phase}: TTFT ms {[round(1000 * t) for t in ttfts]}", flush=True)
+    if alone is not None:
+        seconds = sum(e - s for s, e in alone.spans)
+        print(f"{phase}: {alone.tokens} tokens in {seconds:.1f} s, errors {alone.errors[:2]}", flush=True)
+
+
+def summary(idle: list[float], busy: list[float], alone: FanOut, state: FanOut, wall: float,
+            args: argparse.Namespace) -> dict:
     idle_s, busy_s = _stats(idle), _stats(busy)
     ratio = (busy_s["median_ms"] / idle_s["median_ms"]) if idle_s["median_ms"] and busy_s["median_ms"] else None
+    alone_s = sum(e - s for s, e in alone.spans)
     return {"idle_ttft": idle_s, "busy_ttft": busy_s, "busy_over_idle_median": ratio,
+            "fanout_alone": {"requests": len(alone.spans), "completion_tokens": alone.tokens,
+                             "tokens_per_s": alone.tokens / alone_s if alone_s else None, "errors": alone.errors[:5]},
             "fanout": {"requests": len(state.spans), "choices_each": args.prompts * args.n,
                        "completion_tokens": state.tokens, "tokens_per_s": state.tokens / wall,
                        "seconds_each": [round(e - s, 2) for s, e in state.spans], "errors": state.errors[:5]}}
 
 
+def app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`make serve`'s app (the args of `--config`, by default ray_config.yaml) with one worker
+    replica of `--cpus` CPUs, `--engine` and `--worker` laid over, and the two clients' API keys."""
+    import yaml
+
+    app = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"]
+    worker = {k: v for k, v in app.get("worker", {}).items() if k != "autoscaling"}
+    app["worker"] = {**worker, "num_replicas": 1, "num_cpus": args.cpus, **json.loads(args.worker)}
+    app["engine"] = {**app.get("engine", {}), **json.loads(args.engine)}
+    limits = app.setdefault("limits", {})
+    for name, wanted in (("max_prompts", args.prompts), ("max_n", args.n),
+                         ("max_tokens", max(args.fanout_max_tokens, args.probe_max_tokens))):
+        limits[name] = max(limits.get(name, wanted), wanted)
+    if args.model:
+        app["model"] = args.model
+    if not args.one_tenant:
+        app["api_keys"] = [args.fanout_key, args.probe_key]
+    return app
+
+
 def start_target(stack: contextlib.ExitStack, args: argparse.Namespace) -> load.Target:
     if args.url:
         return load.url_target(args.url, args.model_name, args.api_key)
-    extra = {"worker": {"num_replicas": 1, "num_cpus": args.cpus, **json.loads(args.worker)},
-             "limits": {"max_prompts": max(64, args.prompts), "max_n": max(8, args.n),
-                        "max_tokens": max(args.fanout_max_tokens, args.probe_max_tokens)}}
-    if not args.one_tenant:
-        extra["api_keys"] = [args.fanout_key, args.probe_key]
-    return load.start_cbserve(stack, args.model, args.cpus, json.loads(args.engine), extra)
+    app = app_args(args)
+    return load.start_cbserve(stack, app.pop("model", None), args.cpus, app.pop("engine"), app)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,9 +295,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", help="with --url: the served model name")
     p.add_argument("--model", help="model folder or HF id for the local app (default: the default model)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local app's worker replica")
-    p.add_argument("--engine", default="{}", help="JSON: ContinuousBatchingConfig fields of the local app")
-    p.add_argument("--worker", default='{"max_ongoing_requests": 1024}',
-                   help="JSON: worker settings of the local app (every choice must reach the engine's scheduler)")
+    p.add_argument("--engine", default="{}", help="JSON: ContinuousBatchingConfig fields of the local app (over "
+                   "--config's) or of the manager")
+    p.add_argument("--config", default=str(ROOT / "ray_config.yaml"), help="the local app's Serve config")
+    p.add_argument("--worker", default="{}", help="JSON: worker settings of the local app, over --config's")
+    p.add_argument("--alone", type=int, default=1, help="fan-out requests timed alone (no probes) first")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--fanout-max-tokens", type=int, default=16)

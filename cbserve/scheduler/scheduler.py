@@ -256,6 +256,21 @@ class Scheduler:
         """Its parent request already has its most choices running (room left for others)."""
         return request.parent_id is not None and self.shares.parent(request).running >= self.max_running_per_parent
 
+    def _candidates(self, limits: StepLimits, budget: int) -> list[Request]:
+        """The waiting requests that could be admitted this step: of each tenant's parent (FIFO
+        within it), at most as many as it has step tokens left, none of a full parent; so a
+        512-choice call's waiting choices are not all ordered again every step."""
+        left: dict[tuple[str, str | None], int] = {}
+        out = []
+        for request in self.waiting:
+            key = (request.tenant, request.parent_id)
+            if key not in left:
+                left[key] = 0 if self._parent_full(request) else limits.room(request, budget)
+            if left[key] > 0:
+                out.append(request)
+                left[key] -= not request.num_inflight
+        return out
+
     def _admit(self, batch: list[ScheduledRequest], budget: int, limits: StepLimits) -> None:
         """Admit waiting requests in fair order (`FairShare.admission_order`) while there is room."""
         if not self.waiting or not self._may_admit(batch, budget):
@@ -263,7 +278,7 @@ class Scheduler:
         bm = self.block_manager
         in_flight = {h for r in self.running for h in bm.pages_in_flight(r)}
         admitted: set[int] = set()
-        for request in self.shares.admission_order(self.waiting):
+        for request in self.shares.admission_order(self._candidates(limits, budget)):
             if not self._may_admit(batch, budget):
                 break
             if request.num_inflight or self._parent_full(request):  # a token still on the device: next step
