@@ -8,21 +8,28 @@ The fan-out client and the probe client are two tenants (two API keys of the app
 arrival of its first content chunk; probes run one after another, `--gap-s` apart, and a probe
 counts as "busy" only if a fan-out request was in flight for its whole duration.
 
-    python bench/fairness.py                                  # default model, local Ray + Serve
-    python bench/fairness.py --model tests-tiny-folder --prompts 16 --n 4
-    python bench/fairness.py --engine '{"parent_share": 0.03}' # a smaller cap on one call's choices
+    python bench/fairness.py                                  # make serve's app (ray_config.yaml), local Ray
+    python bench/fairness.py --engine '{"parent_step_tokens": 0}' # no per-step cap on one call's choices
     python bench/fairness.py --url http://127.0.0.1:8000 --api-key KEY   # a running `make serve`
-    python bench/fairness.py --manager                        # the engine alone, in this process
+    python bench/fairness.py --manager                        # the engine alone (default config), in this process
 
-Measured (default model, float32, 2 CPU cores shared with other jobs, 64 x 8 choices of 16 tokens,
-6 probes of 4 tokens; bench/results/fairness-*.json). TTFT median idle -> busy, fan-out tok/s:
-- served, parent_share 0.5 (default): 104 -> 1120 ms (10.8x), 193 tok/s;
-- served, parent_share 0.016 (16 running choices): 162 -> 348 ms (2.1x), 30 tok/s;
-- manager, 0.5: 172 -> 1683 ms (9.8x), 142 tok/s; manager, 0.016: 167 -> 424 ms (2.5x), 27 tok/s.
-On a CPU a step's time grows with its rows, and a newcomer waits for the step in progress: the
-fair scheduler admits it at the next step, but within 2x needs short steps, i.e. few running
-choices per parent, bought with the fan-out's throughput. Serve's `worker.max_ongoing_requests`
-must exceed one call's choices (here 1024): beyond it they queue in Serve, first come first served.
+Each run times `--alone` fan-out requests with nothing else running first (the fan-out's own
+throughput), then the probes on the idle server, then the probes while fan-outs run back to back.
+
+Measured (default model, float32, 2 CPU cores shared with other jobs, 64 x 8 choices of 8 tokens,
+6 probes of 4 tokens; make serve's app, worker.max_ongoing_requests 1024). TTFT median idle ->
+busy, fan-out alone:
+- before (parent_share 0.5 only: `--engine '{"parent_step_tokens": 0, "held_step_tokens": null}'`):
+  109 -> 5503 ms (50x; single probes up to 19 s), 123 tok/s;
+- defaults (parent_step_tokens 64 on a CPU, held_step_tokens 4): 314 -> 565 ms (1.8x), 63 tok/s,
+  in a run that shared the cores with other jobs (its idle TTFT is 3x the other run's), so its
+  throughput is not comparable: see the README for what is and is not settled.
+On a CPU a step's time grows with its tokens and cannot be interrupted, so a newcomer waits for
+the step in flight (half of one on average) and then for its own: `held_step_tokens` keeps its
+own step short at no cost to throughput, `parent_step_tokens` bounds the step in flight, which
+costs a fan-out the fixed cost of each extra step.
+Serve's `worker.max_ongoing_requests` must be at least one call's choices (ray_config.yaml: 1024):
+beyond it they queue in the replica first come first served, before the engine's fair share.
 """
 
 from __future__ import annotations
