@@ -241,13 +241,14 @@ class Scheduler:
 
     def _step_limits(self, running: list[Request]) -> StepLimits:
         """This step's `StepLimits`. Newcomers: waiting requests that could be admitted now (not
-        a full parent, room for their pages) and running ones, without a first token yet."""
+        a full parent, room for their pages above the safety margin: else holding the others would
+        only slow the release of pages) and running ones, without a first token yet."""
         bm = self.block_manager
         started = [r for r in running if r.generated or r.status == RequestStatus.DECODING]
         newcomers = []
         if self.held_step_tokens is not None and self.shares.several_groups():  # else none to hold
             newcomers = [r for r in running if not r.generated and r.status != RequestStatus.DECODING]
-            if len(running) < self.max_requests:
+            if len(running) < self.max_requests and not (running and bm.num_free < self.safety_margin * bm.num_blocks):
                 newcomers += [r for r in self.waiting if not r.generated and not r.num_inflight
                               and not self._parent_full(r) and bm.pages_needed(r.num_tokens) <= bm.num_free]
         return StepLimits(self.shares, self.parent_step_tokens, self.held_step_tokens, newcomers, started)

@@ -377,3 +377,19 @@ def test_step_limits_config_defaults_by_device() -> None:
     assert config.held_step_tokens == 4
     with pytest.raises(ValueError, match="held_step_tokens"):
         cbserve.ContinuousBatchingConfig(held_step_tokens=0)
+
+
+def test_a_newcomer_that_cannot_be_admitted_for_pages_holds_nothing() -> None:
+    """Below the safety margin of free pages nothing is admitted: holding the fan-out then would
+    only slow the release of the pages the newcomer waits for."""
+    s = Scheduler(BlockManager(40, 16, False), 256, 64, "fifo", 0.5)
+    s.held_step_tokens = 4
+    for r in fan_out("big", 32, max_new=200):
+        s.add(r)
+    for _ in range(20):
+        step(s)
+    assert s.block_manager.num_free < 0.5 * 40
+    running = len(s.running)
+    s.add(request("single", tenant="b", parent="single"))
+    batch = step(s)
+    assert tokens_of(batch, "big") == running > 4 and tokens_of(batch, "single") == 0
