@@ -17,13 +17,15 @@ Each run times `--alone` fan-out requests with nothing else running first (the f
 throughput), then the probes on the idle server, then the probes while fan-outs run back to back.
 
 Measured (default model, float32, 2 CPU cores shared with other jobs, 64 x 8 choices of 8 tokens,
-6 probes of 4 tokens; make serve's app, worker.max_ongoing_requests 1024). TTFT median idle ->
-busy, fan-out alone:
-- before (parent_share 0.5 only: `--engine '{"parent_step_tokens": 0, "held_step_tokens": null}'`):
-  109 -> 5503 ms (50x; single probes up to 19 s), 123 tok/s;
-- defaults (parent_step_tokens 64 on a CPU, held_step_tokens 4): 314 -> 565 ms (1.8x), 63 tok/s,
-  in a run that shared the cores with other jobs (its idle TTFT is 3x the other run's), so its
-  throughput is not comparable: see the README for what is and is not settled.
+6 probes of 4 tokens). TTFT median idle -> busy, and the fan-out's tok/s alone:
+- manager (`--manager`, default config; bench/results/fairness-manager-*.json), one after the other:
+  before (`--engine '{"parent_step_tokens": 0, "held_step_tokens": null}'`): 96 -> 2696 ms (28x),
+  136 tok/s; with `parent_step_tokens` 64 and `held_step_tokens` 4: 98 -> 553 ms (5.7x), 57 tok/s;
+- served (make serve's app, worker.max_ongoing_requests 1024; bench/results/fairness-served-*.txt):
+  before: 109 -> 5503 ms (50x), 123 tok/s; with `parent_step_tokens` 64: 314 -> 565 ms (1.8x),
+  63 tok/s, in a run that shared the cores with other jobs (its idle TTFT is 3x the other's).
+The per-step cap cost more than half the fan-out's throughput, so it is off by default
+(`held_step_tokens` 4 alone is the default: it costs nothing while the fan-out is alone).
 On a CPU a step's time grows with its tokens and cannot be interrupted, so a newcomer waits for
 the step in flight (half of one on average) and then for its own: `held_step_tokens` keeps its
 own step short at no cost to throughput, `parent_step_tokens` bounds the step in flight, which

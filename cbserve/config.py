@@ -19,8 +19,10 @@ MIN_AUTO_BATCH_TOKENS = 256
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 2048, "cuda": 8192}
 DEFAULT_MAX_REQUESTS = 1024
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
-# One parent request's query tokens per step (`parent_step_tokens`), by device; none elsewhere.
-DEFAULT_PARENT_STEP_TOKENS = {"cpu": 64}
+# One parent request's query tokens per step (`parent_step_tokens`), by device: none by default.
+# Measured on 2 CPU cores (bench/fairness.py --manager, 512 choices of 8 tokens): 64 cut a
+# fan-out's throughput from 136 to 57 tok/s alone, for a short request's TTFT 28x -> 5.7x idle.
+DEFAULT_PARENT_STEP_TOKENS: dict[str, int] = {}
 
 
 class ContinuousBatchingConfig(BaseModel):
@@ -63,7 +65,7 @@ class ContinuousBatchingConfig(BaseModel):
         None, ge=0, description="most query tokens one parent request's choices take in one step (beyond its first "
         "one's, so a lone request's prefill chunk is not cut); on a CPU a step's "
         "time grows with its tokens and a newcomer waits for the step in flight, so this bounds its wait behind a "
-        "fan-out. None: 64 on a CPU, no cap on a GPU (whose step time hardly grows with its rows); 0: no cap"
+        "fan-out, at a cost in its throughput (bench/fairness.py). None or 0: no cap"
     )
     held_step_tokens: int | None = Field(
         4, ge=1, description="while a newcomer (a tenant or parent request with no first token yet) could be "

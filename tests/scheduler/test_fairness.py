@@ -370,10 +370,11 @@ def test_fifo_order_unchanged_for_one_tenant_without_parent_ids() -> None:
         plans(scheduler(max_batch_tokens=64, max_requests=8))
 
 
-def test_step_limits_config_defaults_by_device() -> None:
+def test_step_limits_config_defaults() -> None:
     config = cbserve.ContinuousBatchingConfig()
-    assert config.resolved_parent_step_tokens("cpu") == 64 and config.resolved_parent_step_tokens("cuda") is None
+    assert config.resolved_parent_step_tokens("cpu") is None and config.resolved_parent_step_tokens("cuda") is None
     assert cbserve.ContinuousBatchingConfig(parent_step_tokens=0).resolved_parent_step_tokens("cpu") is None
+    assert cbserve.ContinuousBatchingConfig(parent_step_tokens=64).resolved_parent_step_tokens("cpu") == 64
     assert config.held_step_tokens == 4
     with pytest.raises(ValueError, match="held_step_tokens"):
         cbserve.ContinuousBatchingConfig(held_step_tokens=0)
