@@ -46,7 +46,7 @@ def _args(model_dir: Path, **offload: Any) -> dict[str, Any]:
 def _engine(ray: Any, args: dict[str, Any]) -> Any:
     from cbserve.batch.backends import EngineActor
 
-    return ray.remote(EngineActor).options(num_cpus=0.5).remote(args)
+    return ray.remote(EngineActor).options(num_cpus=0.5).remote(ClusterArgs(**args))  # parsed, as the batch job does
 
 
 def _run(ray: Any, engine: Any, ids: list[int], rid: str) -> list[int]:
