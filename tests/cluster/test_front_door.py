@@ -201,8 +201,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from cbserve.cluster import run
 
     model_dir = tiny_model_dir(tmp_path_factory)
-    added = [k for k in PROXY_PATIENCE if k not in os.environ]
-    os.environ.update({k: PROXY_PATIENCE[k] for k in added})
+    # run.start sets RAY_worker_niceness for the Ray it starts: removed afterwards with the rest,
+    # so that a later module's local Ray keeps Ray's default niceness (test_serve checks it).
+    added = [k for k in (*PROXY_PATIENCE, "RAY_worker_niceness") if k not in os.environ]
+    os.environ.update({k: PROXY_PATIENCE[k] for k in added if k in PROXY_PATIENCE})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port, grpc_port = free_port(), free_port()
     try:
