@@ -119,6 +119,14 @@ def native_bf16() -> bool:
     return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 
 
+def has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles with bfloat16 multiplies (oneDNN uses them; our kernels do not)."""
+    flags = cpu_flags()
+    if flags:
+        return {"amx_bf16", "amx_tile"} <= flags
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """The dtype of ``dtype="auto"``: bfloat16 on a CPU with native bfloat16 dot products, else
     float32 (also on accelerators, which keep their previous default)."""

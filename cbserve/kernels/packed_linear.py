@@ -11,8 +11,9 @@ kernels avoid it:
   result is bitwise the same in any batch (the batch-invariant mode uses only this kernel).
 - ``onednn``: `torch.ops.mkldnn._linear_pointwise` on a weight reordered once (float32 and
   bfloat16), where the C++ kernel has no path for the model's dtype on this CPU, and for the row
-  counts where it measures faster (`ONEDNN_FROM_ROWS`): then both packed copies are kept and each
-  call picks one by its number of rows.
+  counts where it measures faster (`onednn_from_rows`: bfloat16 on a CPU with AMX, whose tile
+  multiplies oneDNN uses and our AVX-512 kernel does not): then both packed copies are kept and
+  each call picks one by its number of rows.
 
 The packed weight is another copy (the model keeps its own, untouched, for after the engine):
 weights take twice their memory while an engine runs (three times with both kernels).
@@ -36,9 +37,20 @@ _PATHS = {
     torch.float32: {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2"},
     torch.bfloat16: {"avx512_bf16": "avx512_bf16"},
 }
-# From how many rows oneDNN's kernel takes over from ours, per (path, dtype); absent: ours for every
-# row count. Measured side by side over every matrix of the default model (see the README).
-ONEDNN_FROM_ROWS: dict[tuple[str, torch.dtype], int] = {}
+# From how many rows oneDNN's kernel takes over from ours in bfloat16 on a CPU with AMX-BF16. Measured
+# over every matrix of the default model on a Xeon (Sapphire Rapids, 2 cores): at 1-2 rows our
+# kernel reads the weights faster (decode is bound by memory), from 4 rows AMX wins (8 rows: 1.7-2.6x,
+# 128 rows: 8-10x).
+AMX_ONEDNN_FROM_ROWS = 4
+
+
+def onednn_from_rows(isa: str | None, dtype: torch.dtype) -> int | None:
+    """From how many rows a call of the C++ kernel's path `isa` goes to oneDNN instead; None: never."""
+    if isa is None or dtype != torch.bfloat16 or not cpu_isa.has_amx_bf16():
+        return None
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return AMX_ONEDNN_FROM_ROWS
 
 
 def cpp_path(dtype: torch.dtype) -> str | None:
@@ -68,7 +80,7 @@ class PackedLinear(torch.nn.Module):
     """Stands in for an `nn.Linear` while the engine runs; `original` is put back afterwards.
 
     kind: ``cbserve`` (the C++ kernel only), ``onednn`` (oneDNN only), or None: the C++ kernel when
-    it runs the dtype here, with oneDNN for calls of `ONEDNN_FROM_ROWS` rows or more.
+    it runs the dtype here, with oneDNN for calls of `onednn_from_rows` rows or more.
     """
 
     def __init__(self, linear: torch.nn.Linear, kind: str | None = None, isa: str | None = None) -> None:
@@ -86,7 +98,7 @@ class PackedLinear(torch.nn.Module):
             from cbserve.kernels import cpu_kernels
 
             cpu_kernels.load()
-        self.onednn_from = ONEDNN_FROM_ROWS.get((self.isa, dtype)) if kind is None else None
+        self.onednn_from = onednn_from_rows(self.isa, dtype) if kind is None and isa is None else None
         self.packed = self.onednn = None
         if self.kind == "cbserve":
             self.packed = torch.ops.cbserve_cpu.pack_linear_weight(weight, self.isa)

@@ -183,3 +183,38 @@ def test_where_packing_cannot_be_used() -> None:
     assert model32.config._attn_implementation != "cbserve_paged"
     assert linears(model32) and not any(isinstance(m, packed_linear.PackedLinear) for m in model32.modules())
     assert "meta" in packed_linear.unavailable_reason(torch.device("meta"), torch.float32)
+
+
+def test_bfloat16_calls_of_many_rows_go_to_onednn_on_amx(monkeypatch) -> None:
+    """With AMX, a bfloat16 call of `AMX_ONEDNN_FROM_ROWS` rows or more runs oneDNN's (AMX) kernel, a
+    smaller one ours: each gives bitwise what that kernel alone gives. Forced by faking the AMX flag
+    where oneDNN has bfloat16, so the split is tested on every such CPU."""
+    from cbserve.kernels import cpu_isa
+
+    if packed_linear.cpp_path(torch.bfloat16) is None:
+        pytest.skip(f"no bfloat16 path of the C++ kernel here ({cpu_isa.why_not('avx512_bf16')})")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 on this CPU")
+    monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: True)
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16)
+    split = packed_linear.PackedLinear(linear)
+    ours, onednn = packed_linear.PackedLinear(linear, "cbserve"), packed_linear.PackedLinear(linear, "onednn")
+    assert split.onednn_from == packed_linear.AMX_ONEDNN_FROM_ROWS and "oneDNN from" in split.extra_repr()
+    with torch.inference_mode():
+        for rows in (1, packed_linear.AMX_ONEDNN_FROM_ROWS - 1, packed_linear.AMX_ONEDNN_FROM_ROWS, 37):
+            x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+            expected = (onednn if rows >= packed_linear.AMX_ONEDNN_FROM_ROWS else ours)(x)
+            assert torch.equal(split(x), expected), rows
+    monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: False)
+    assert packed_linear.PackedLinear(linear).onednn_from is None
+    assert packed_linear.PackedLinear(linear.float()).onednn_from is None  # float32: ours at every row count
+
+
+def test_amx_is_read_from_the_cpu_flags(monkeypatch) -> None:
+    from cbserve.kernels import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "amx_tile", "amx_bf16"}))
+    assert cpu_isa.has_amx_bf16()
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert not cpu_isa.has_amx_bf16()
