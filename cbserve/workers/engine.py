@@ -154,7 +154,7 @@ class EngineCore:
             compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
             cfg.q_padding_interval_size,
         )
-        kernels = attention_backends.kernels(self.attention_backend, cfg.batch_invariant)
+        kernels = attention_backends.kernels(self.attention_backend, cfg.batch_invariant, self.dtype)
         self.runner = ModelRunner(model, self.cache, forward, kernels, sizes.fast_path_width)
         self.runner.graphs = build_step_graphs(cfg, self.runner, self.attention_backend, sizes.max_requests,
                                                sizes.max_batch_tokens)

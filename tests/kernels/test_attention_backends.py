@@ -181,7 +181,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
         assert max_seqlen_q == int((cu[1:] - cu[:-1]).max()) and max_seqlen_k == int(context_lens.max())
         return ref.varlen_paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, *args)
 
-    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None: attention_backends.KernelBackend(
+    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None, dtype=None: attention_backends.KernelBackend(
         name, ref.store_kv, decode, varlen, varlen_takes_max_seqlen=True))
     model = tiny_model("llama")
     prompts = random_prompts(LENGTHS)
@@ -193,7 +193,7 @@ def test_kernels_are_called_with_the_fast_path_table(monkeypatch) -> None:
     def forgetful(q, k_cache, v_cache, block_tables, context_lens, *args):
         return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, torch.ones_like(context_lens), *args)
 
-    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None: attention_backends.KernelBackend(
+    monkeypatch.setattr(attention_backends, "kernels", lambda name, batch_invariant=None, dtype=None: attention_backends.KernelBackend(
         name, ref.store_kv, forgetful, varlen, varlen_takes_max_seqlen=True))
     requests, _ = run(model, prompts, attention_backend="reference", max_blocks_per_request=7)
     with pytest.raises(AssertionError):
@@ -331,3 +331,18 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str, graphs: tup
     assert any(s.decode for s in shapes) and any(not s.decode for s in shapes) == graphs[0]
     assert_same(requests, reference(model, prompts, 8), tol=1e-3)
 
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_cpu_prefill_goes_to_sdpa_in_bfloat16_on_amx_unless_batch_invariant(amx: bool, monkeypatch) -> None:
+    """Prefill chunks: the C++ varlen kernel, except bfloat16 on a CPU with AMX (SDPA's flash kernel
+    multiplies on AMX tiles there) when batch invariance is not asked for, and always with
+    batch_invariant=False. The AMX flag is faked so that both rules are checked on every CPU."""
+    from cbserve.kernels import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: amx)
+    for dtype in (torch.bfloat16, torch.float32):
+        for invariant in (None, True, False):
+            got = attention_backends.kernels("cpu", invariant, dtype).varlen
+            sdpa = invariant is False or (invariant is None and amx and dtype == torch.bfloat16)
+            assert got is (None if sdpa else cpu_kernels.varlen_paged_attention), (dtype, invariant)
