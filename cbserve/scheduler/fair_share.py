@@ -137,15 +137,19 @@ class StepLimits:
     row (a lone request's prefill chunk is not cut; None: no cap); and while a newcomer (a tenant or
     parent none of whose requests has its first token yet) could be admitted and is owed no less
     (its priority and charge are not above the other's), the other tenants, and the other parents
-    of its tenant, take at most `held_tokens` (None: never held)."""
+    of its tenant, that have started take at most `held_tokens` (None: never held). Newcomers never
+    hold each other: 32 clients arriving at once would otherwise each get `held_tokens` of prompt a
+    step, all of them waiting for the last one's prefill (measured served: TTFT p50 0.45 s for the
+    first, 7.8 s for the other 31, all at once); among themselves they go in fair order, whole
+    prompts first, as the budget allows."""
 
     def __init__(self, shares: FairShare, parent_tokens: int | None, held_tokens: int | None,
                  newcomers: Iterable[Request], started: Iterable[Request]) -> None:
         self.shares, self.parent_tokens, self.held_tokens = shares, parent_tokens, held_tokens
         self.used: dict[Any, int] = {}  # ("t", tenant) or ("p", tenant, parent) -> tokens this step
         self._held: dict[Any, bool] = {}
-        going = {(r.tenant, r.parent_id) for r in started}
-        tenants_going = {t for t, _ in going}
+        going = self._going = {(r.tenant, r.parent_id) for r in started}
+        tenants_going = self._tenants_going = {t for t, _ in going}
         self._tenants: dict[str, tuple[int, int]] = {}  # newcomer tenant -> least (priority, charge)
         self._parents: dict[str, dict[str | None, tuple[int, int]]] = {}  # tenant -> newcomer parent -> ...
         for r in newcomers if held_tokens is not None else ():
@@ -170,6 +174,10 @@ class StepLimits:
             self.used[key] = self.used.get(key, 0) + tokens
 
     def _held_at(self, level: str, request: Request) -> bool:
+        started = request.tenant in self._tenants_going if level == "t" else \
+            (request.tenant, request.parent_id) in self._going
+        if not started:  # a newcomer itself
+            return False
         key = (level, request.tenant, request.parent_id, request.priority)
         if key not in self._held:
             self._held[key] = self._owed(level, request)

@@ -394,3 +394,18 @@ def test_a_newcomer_that_cannot_be_admitted_for_pages_holds_nothing() -> None:
     s.add(request("single", tenant="b", parent="single"))
     batch = step(s)
     assert tokens_of(batch, "big") == running > 4 and tokens_of(batch, "single") == 0
+
+
+def test_newcomers_arriving_together_do_not_hold_each_other() -> None:
+    """32 parents (clients) arriving at once: whole prompts go in as the budget allows, in arrival
+    order, the first ones get their first token in the first step; held, each would take
+    held_step_tokens of prompt a step and all would wait for the last prefill."""
+    s = limited(max_batch_tokens=256, max_requests=64)
+    clients = [request(f"c{i}", prompt_len=64, tenant="a", parent=f"c{i}") for i in range(32)]
+    for r in clients:
+        s.add(r)
+    first = step(s)
+    assert [sr.request for sr in first] == clients[:4] and all(r.generated for r in clients[:4])
+    second = step(s)
+    assert tokens_of(second, "c0") == 1  # started: held to held_step_tokens while newcomers wait
+    assert [r for r in clients if r.generated] == clients[:7]  # 256 - 4 decode rows = 3 more prompts + a chunk
