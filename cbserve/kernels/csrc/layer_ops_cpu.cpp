@@ -60,24 +60,27 @@ inline float f32(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline float rnd(float x) { return f32(static_cast<T>(x)); }
 
-// exp(x) for silu: Cephes' single-precision polynomial (within 2 ulp), written so that the
-// compiler vectorizes the loop that calls it.
-inline float exp_poly(float x) {
-  x = std::fmin(std::fmax(x, -87.3365f), 88.3762626647949f);
-  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+// exp(x) for silu: Cephes' single-precision polynomial (within 2 ulp). `x` clamped to
+// [-87.34, 88.38], `fx` = floor(x * log2(e) + 0.5); returns exp(x) / 2^fx. V: float, or 8 lanes.
+template <typename V>
+inline V exp_poly_reduced(V x, V fx) {
   x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  const float z = x * x;
-  float y = 1.9875691500E-4f;
-  y = y * x + 1.3981999507E-3f;
+  const V z = x * x;
+  V y = x * 1.9875691500E-4f + 1.3981999507E-3f;
   y = y * x + 8.3334519073E-3f;
   y = y * x + 4.1665795894E-2f;
   y = y * x + 1.6666665459E-1f;
   y = y * x + 5.0000001201E-1f;
-  y = y * z + x + 1.0f;
+  return y * z + x + 1.0f;
+}
+
+inline float exp_poly(float x) {
+  x = std::fmin(std::fmax(x, -87.3365f), 88.3762626647949f);
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
   const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return y * scale;
+  return exp_poly_reduced(x, fx) * scale;
 }
 
 // One row of add_rms_norm_. The sum of squares in 8 partial sums (vectorizable), added in order.
@@ -160,16 +163,7 @@ CB_AVX2 inline v8f exp_poly8(v8f x) {  // exp_poly, lane by lane
   v8f fx = x * 1.44269504088896341f + 0.5f;
   const v8f truncated = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8f);
   fx = truncated > fx ? truncated - 1.0f : truncated;  // floor
-  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  const v8f z = x * x;
-  v8f y = v8f{} + 1.9875691500E-4f;
-  y = y * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * z + x + 1.0f;
-  return y * (v8f)((__builtin_convertvector(fx, v8i) + 127) << 23);
+  return exp_poly_reduced(x, fx) * (v8f)((__builtin_convertvector(fx, v8i) + 127) << 23);
 }
 
 // The avx2 path of rms_row: lane j of the 8-wide partial sums is rms_row's part[j].
