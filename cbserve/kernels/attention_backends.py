@@ -143,8 +143,8 @@ def kernels(name: str, batch_invariant: bool | None = None, dtype: torch.dtype |
     order per row (batch-invariant), and faster than SDPA on prefill chunks up to ~1k tokens on
     CPUs without AMX (bfloat16: at every length measured). ``batch_invariant=False``, and
     bfloat16 on a CPU with AMX unless `batch_invariant` is True: prefill chunks through SDPA, whose
-    flash kernel multiplies on AMX tiles (8 prompts of 256 tokens, default model, 2-core Sapphire
-    Rapids: attention 448 -> 216 ms a step)."""
+    flash kernel multiplies on AMX tiles (8 prompts of 256 tokens, default model, a 2-core AMX
+    Xeon: attention 448 -> 216 ms a step)."""
     if name == "sdpa":
         return None
     if name == "cpu":

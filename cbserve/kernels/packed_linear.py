@@ -38,9 +38,9 @@ _PATHS = {
     torch.bfloat16: {"avx512_bf16": "avx512_bf16"},
 }
 # From how many rows oneDNN's kernel takes over from ours in bfloat16 on a CPU with AMX-BF16. Measured
-# over every matrix of the default model on a Xeon (Sapphire Rapids, 2 cores): at 1-2 rows our
-# kernel reads the weights faster (decode is bound by memory), from 4 rows AMX wins (8 rows: 1.7-2.6x,
-# 128 rows: 8-10x).
+# on a 2-core AMX Xeon over the default model's matrices: one matrix in cache, from 4 rows AMX wins
+# (8 rows 1.7-2.6x, 128 rows 8-10x); 30 layers' weights streamed from memory, interleaved, 4 rows tie
+# (30.3 vs 30.7 ms), 8 rows 35.2 vs 27.8 ms, 16 rows 45.9 vs 22.9 ms; at 1-2 rows ours reads faster.
 AMX_ONEDNN_FROM_ROWS = 4
 
 
