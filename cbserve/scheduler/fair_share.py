@@ -174,13 +174,11 @@ class StepLimits:
             self.used[key] = self.used.get(key, 0) + tokens
 
     def _held_at(self, level: str, request: Request) -> bool:
-        started = request.tenant in self._tenants_going if level == "t" else \
-            (request.tenant, request.parent_id) in self._going
-        if not started:  # a newcomer itself
-            return False
         key = (level, request.tenant, request.parent_id, request.priority)
         if key not in self._held:
-            self._held[key] = self._owed(level, request)
+            started = request.tenant in self._tenants_going if level == "t" else \
+                (request.tenant, request.parent_id) in self._going
+            self._held[key] = started and self._owed(level, request)  # a newcomer is never held
         return self._held[key]
 
     def _owed(self, level: str, request: Request) -> bool:
