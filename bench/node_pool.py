@@ -27,7 +27,8 @@ def child(args: argparse.Namespace) -> None:
     from transformers import GenerationConfig
 
     import cbserve
-    from cbserve.workers.engine import EngineCore
+    from cbserve.workers.factory import build_engine
+    from cbserve.workers.sizing import Workload
 
     torch.set_num_threads(args.threads)
     model, _ = cbserve.load_model(args.model, dtype=args.dtype)
@@ -37,7 +38,7 @@ def child(args: argparse.Namespace) -> None:
     cfg = cbserve.ContinuousBatchingConfig(page_size=args.page_size, cpu_offload_space=args.host_gib,
                                            node_kv_pool=args.pool if args.pool != "-" else None)
     gc = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, cfg, max_total_tokens_hint=4 * (args.system_tokens + 64), num_requests_hint=1)
+    engine = build_engine(model, gc, cfg, Workload(max_total_tokens=4 * (args.system_tokens + 64), num_requests=1))
     try:
         warm = engine.make_request([7, 8, 9], "warm-up")  # first-pass costs (lazy kernel set-up) out of the timing
         engine.add_request(warm)

@@ -21,12 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def run(model, prompts: list[list[int]], max_new: int, sharing: bool, page_size: int) -> dict:
     from cbserve.config import ContinuousBatchingConfig
-    from cbserve.workers.engine import EngineCore
+    from cbserve.workers.factory import build_engine
+    from cbserve.workers.sizing import Workload
 
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
     cfg = ContinuousBatchingConfig(page_size=page_size, allow_block_sharing=sharing)
-    engine = EngineCore(model, gc, cfg, max_total_tokens_hint=sum(len(p) + max_new for p in prompts),
-                        num_requests_hint=len(prompts))
+    engine = build_engine(model, gc, cfg, Workload(max_total_tokens=sum(len(p) + max_new for p in prompts),
+                                                  num_requests=len(prompts)))
     try:
         requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
         for r in requests:

@@ -94,16 +94,17 @@ def run_cbserve(model, work: Workload, pad_id: int | None, page_size: int | None
     """The loop of `generate_batch`, with each request's own max_new_tokens (which `generate_batch`'s
     single generation config cannot express), and the engine's host overhead share."""
     from cbserve.config import ContinuousBatchingConfig
-    from cbserve.workers.engine import EngineCore
+    from cbserve.workers.factory import build_engine
+    from cbserve.workers.sizing import Workload as EngineWorkload
 
     overrides = {**CBSERVE_OVERRIDES, **(overrides or {})}
     cb_config = ContinuousBatchingConfig(**({} if page_size is None else {"page_size": page_size}), **overrides)
-    engine = EngineCore(
+    engine = build_engine(
         model,
         greedy_config(max(work.lengths), pad_id),
         cb_config,
-        max_total_tokens_hint=sum(len(p) + n for p, n in zip(work.prompts, work.lengths, strict=True)),
-        num_requests_hint=len(work.prompts),
+        EngineWorkload(max_total_tokens=sum(len(p) + n for p, n in zip(work.prompts, work.lengths, strict=True)),
+                       num_requests=len(work.prompts)),
     )
     try:
         requests = [

@@ -158,6 +158,25 @@ def test_the_bookkeeping_check_can_fail() -> None:
     assert bookkeeping("def f(self):\n    self.scheduler.update(plan, result)\n    n = r.num_computed\n") == []
 
 
+# The engine is built in one place: the factory makes and wires its parts (a test that swaps a
+# part builds them there too, then calls EngineCore itself).
+ENGINE_BUILDERS = {"cbserve/workers/factory.py", "tests/workers/test_factory.py"}
+
+
+def engine_constructions(source: str) -> list[str]:
+    return [f"line {node.lineno}" for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and ast.unparse(node.func).split(".")[-1] == "EngineCore"]
+
+
+def test_engines_are_built_by_the_factory() -> None:
+    tree = ROOT.parent
+    sources = [p for folder in ("cbserve", "tests", "bench") for p in (tree / folder).rglob("*.py")]
+    found = {str(p.relative_to(tree)): lines for p in sources
+             if str(p.relative_to(tree)) not in ENGINE_BUILDERS and (lines := engine_constructions(p.read_text()))}
+    assert not found, f"EngineCore built outside workers/factory.py (use build_engine): {found}"
+    assert engine_constructions("e = engine.EngineCore(model, gc, cfg)\nf = build_engine(model)\n") == ["line 1"]
+
+
 def _is_triton_kernel(node: ast.AST) -> bool:
     return any("jit" in ast.unparse(d) for d in getattr(node, "decorator_list", []))
 

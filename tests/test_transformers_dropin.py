@@ -27,7 +27,7 @@ from cbserve import FinishReason, RequestStatus
 from cbserve.kernels import packed_linear
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.workers.compilation import CompiledForward
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from tests.support.manager import alarm_guard
 from tests.support.tiny_models import VOCAB, random_prompts, reference_generate, tiny_model
 
@@ -213,7 +213,7 @@ def test_stop_gives_the_model_back_and_start_takes_it_again(managers: list) -> N
 
 def test_an_engine_dropped_without_release_does_not_hold_the_model(managers: list) -> None:
     model = tiny_model("llama")
-    EngineCore(model, greedy(4), small())  # never released
+    build_engine(model, greedy(4), small())  # never released
     gc.collect()
     assert model.config._attn_implementation == "cbserve_paged"  # left switched; plain calls still work
     logits, tokens = forward_and_generate(model)

@@ -3,8 +3,9 @@ pass's `StepResult` to `Scheduler.update`, which does the step's bookkeeping (to
 status, pages registered, released and freed, finishing).
 
 It knows nothing of threads, HTTP or Ray; the manager and `generate_batch` drive it, and build
-it through `workers/factory.py`. Under tensor parallelism it is given a `TensorParallelLeader`
-(composition): the leader wraps its runner so that each step's inputs reach the other ranks.
+it through `workers/factory.py`, which makes and wires its parts (cache, scheduler, runner,
+sampler). Under tensor parallelism it is given a `TensorParallelLeader` (composition), which the
+factory has already wrapped around its runner so that each step's inputs reach the other ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,29 +21,27 @@ from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
 from cbserve.errors import RequestFault
-from cbserve.kernels import attention_backends, packed_linear
+from cbserve.kernels import packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
-from cbserve.scheduler.block_manager import BlockManager
-from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.request import Request, SamplingParams
-from cbserve.scheduler.scheduler import Scheduler, StepPlan, StepResult
-from cbserve.workers import compilation, model_sharing, validation
+from cbserve.scheduler.scheduler import StepPlan, StepResult
+from cbserve.workers import model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
-from cbserve.workers.compilation import CompiledForward
-from cbserve.workers.cuda_graphs import build_step_graphs
 from cbserve.workers.generation_config import sampling_params as generation_config_sampling
-from cbserve.workers.kv import node_client
-from cbserve.workers.kv.cache import PagedKVCache
-from cbserve.workers.kv.host_pool import HostKVPool
-from cbserve.workers.model_runner import ModelRunner
-from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.parallel.groups import TensorParallelError
-from cbserve.workers.sampler import Sampler, prompt_logprobs
-from cbserve.workers.sizing import Workload, engine_sizes, host_pool_size
+from cbserve.workers.sampler import prompt_logprobs
 from cbserve.workers.structured import Grammar
 
 if TYPE_CHECKING:
+    from cbserve.scheduler.block_manager import BlockManager
+    from cbserve.scheduler.scheduler import Scheduler
+    from cbserve.workers.kv.cache import PagedKVCache
+    from cbserve.workers.kv.host_pool import HostKVPool
+    from cbserve.workers.model_runner import ModelRunner
+    from cbserve.workers.model_shape import ModelShape
     from cbserve.workers.parallel.leader import TensorParallelLeader
+    from cbserve.workers.sampler import Sampler
+    from cbserve.workers.sizing import EngineSizes
 
 logger = logging.getLogger(__name__)
 
@@ -61,108 +61,65 @@ def eos_set(eos: int | list[int] | None) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def pack_weights_wanted(config: ContinuousBatchingConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear weights get packed for the CPU kernels (`prepack_weights`, CPU only)."""
-    compiled = config.default_compile_level > 0 or config.varlen_compile_config or config.decode_compile_config
-    reason = packed_linear.unavailable_reason(device, dtype, config.batch_invariant) or (
-        "torch.compile does not trace oneDNN-packed weights" if compiled else "")
-    wanted = config.prepack_weights
-    if config.batch_invariant and reason:  # the guarantee needs the C++ linear kernel on every layer
-        raise ValueError(f"batch_invariant=True cannot be used here: {reason}")
-    if wanted and reason:
-        raise ValueError(f"prepack_weights=True cannot be used here: {reason}")
-    if wanted is None:
-        wanted = not reason
-        if reason and device.type == "cpu":
-            logger.info("linear weights not packed for oneDNN: %s", reason)
-    return wanted
+@dataclass
+class EngineParts:
+    """What an `EngineCore` steps with, built and wired by `workers/factory.py`."""
+
+    shape: ModelShape
+    sizes: EngineSizes
+    cache: PagedKVCache
+    block_manager: BlockManager
+    host_pool: HostKVPool | None
+    node_pool: object | None  # node_client's attachment to the node's KV pool
+    scheduler: Scheduler
+    attention_backend: str
+    runner: ModelRunner
+    sampler: Sampler
+    pack_weights: bool
+    packed_linears: list
 
 
 class EngineCore:
     def __init__(
         self,
         model: torch.nn.Module,
-        generation_config: GenerationConfig | None = None,
-        config: ContinuousBatchingConfig | None = None,
-        max_total_tokens_hint: int | None = None,
-        num_requests_hint: int | None = None,
-        max_request_tokens_hint: int | None = None,
+        generation_config: GenerationConfig,
+        config: ContinuousBatchingConfig,
+        parts: EngineParts,
         parallel: TensorParallelLeader | None = None,
     ) -> None:
+        """Built by `workers/factory.py`'s `build_engine`, which makes and wires the parts."""
         self.model = model
-        self.config = cfg = config or ContinuousBatchingConfig()
-        self.generation_config = generation_config or model.generation_config
-        self._default_sampling = generation_config_sampling(self.generation_config)  # may refuse a field
-        self.shape = ModelShape.from_model(model)
+        self.config = config
+        self.generation_config = generation_config
+        self._default_sampling = generation_config_sampling(generation_config)  # may refuse a field
+        self.shape = parts.shape
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        pack_weights = pack_weights_wanted(cfg, self.device, self.dtype)  # may refuse: before the model is touched
-        sizes = engine_sizes(cfg, self.shape, self.device, self.dtype,
-                             Workload(max_total_tokens_hint, num_requests_hint, max_request_tokens_hint))
-        self.max_batch_tokens = sizes.max_batch_tokens
-        self._build_memory(sizes)
-        self._build_runner(sizes)
-        self._pack_weights = pack_weights
-        self.packed_linears = packed_linear.pack_linears(model, cfg.batch_invariant) if pack_weights else []
+        self.max_batch_tokens = parts.sizes.max_batch_tokens
+        self.cache = parts.cache
+        self.block_manager = parts.block_manager
+        self.host_pool = parts.host_pool
+        self.node_pool = parts.node_pool
+        self.scheduler = parts.scheduler
+        self.attention_backend = parts.attention_backend
+        self.runner = parts.runner
+        self.sampler = parts.sampler
+        self._pack_weights = parts.pack_weights
+        self.packed_linears = parts.packed_linears
+        model_sharing.take_attention(model, self)  # the engine is the holder: dropped, it lets go
         self.holds_model = True  # its attention, linears and compiled layers are the engine's (take_model)
         self.parallel = parallel
-        if parallel is not None:
-            self.runner = parallel.wrap_runner(self.runner)
-            self.host_pool = parallel.wrap_host_pool(self.host_pool)  # its transfers reach every rank
-            parallel.start(self.cache)
+        # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
+        self.async_batching = bool(config.use_async_batching)
+        if self.async_batching and self.runner.graphs is None:
+            logger.warning("use_async_batching without CUDA graphs: every kernel launch stays on the host "
+                           "thread, so little of the next step's preparation overlaps this one")
         self._in_flight: InFlightStep | None = None
-        self.sampler = Sampler(self.shape.vocab_size, cfg.seed)
         self.requests: dict[str, Request] = {}
         self.busy_seconds = 0.0  # wall time inside step(): with the wall clock, how busy the engine was
         # Seconds spent in each phase of step(), summed: host overhead vs model time.
         self.timings = {"schedule": 0.0, "prepare": 0.0, "forward": 0.0}
-        logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB), max_batch_tokens=%d, max_requests=%d",
-            sizes.num_blocks, cfg.page_size, self.cache.nbytes / 2**20, self.max_batch_tokens, sizes.max_requests,
-        )
-
-    def _build_memory(self, sizes) -> None:
-        """The KV pages, their bookkeeping, the host offload pool and the scheduler over them."""
-        cfg, shape = self.config, self.shape
-        self.cache = PagedKVCache(shape.num_layers, sizes.num_blocks, cfg.page_size, shape.num_kv_heads,
-                                  shape.head_dim, self.dtype, self.device)
-        prefix_caching = cfg.allow_block_sharing and not shape.has_sliding_layers
-        if cfg.allow_block_sharing and not prefix_caching:
-            logger.info("prefix caching off: the model has sliding-window layers")
-        self.block_manager = BlockManager(sizes.num_blocks, cfg.page_size, prefix_caching)
-        host_blocks = host_pool_size(cfg, self.cache, sizes.release_window)
-        self.host_pool = HostKVPool(self.cache, host_blocks) if host_blocks else None
-        host_pages = HostPages(host_blocks, cfg.page_size) if host_blocks else None
-        self.node_pool = node_client.attach(cfg.node_kv_pool, self.model, self.cache, self.host_pool, host_pages,
-                                            prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, sizes.max_batch_tokens, sizes.max_requests, cfg.scheduler,
-                                   cfg.resolved_safety_margin, host_pages, cfg.parent_share, sizes.release_window,
-                                   parent_step_tokens=cfg.resolved_parent_step_tokens(self.device.type),
-                                   held_step_tokens=cfg.held_step_tokens)
-        if self.node_pool is not None:  # computed prompt pages, for the node's other engines
-            self.scheduler.on_computed = self.node_pool.after_step
-
-    def _build_runner(self, sizes) -> None:
-        """The attention backend, the model's forward (compiled or not, CUDA graphs or not)."""
-        cfg, model = self.config, self.model
-        self.attention_backend = attention_backends.select(cfg.attention_backend, self.device, cfg.page_size,
-                                                 cfg.auto_switch_to_flash, cfg.batch_invariant)
-        self._previous_attn = model_sharing.take_attention(model, self)
-        forward = CompiledForward(
-            model,
-            compilation.resolve(cfg.default_compile_level, cfg.varlen_compile_config),
-            compilation.resolve(cfg.default_compile_level, cfg.decode_compile_config),
-            cfg.q_padding_interval_size,
-        )
-        kernels = attention_backends.kernels(self.attention_backend, cfg.batch_invariant, self.dtype)
-        self.runner = ModelRunner(model, self.cache, forward, kernels, sizes.fast_path_width)
-        self.runner.graphs = build_step_graphs(cfg, self.runner, self.attention_backend, sizes.max_requests,
-                                               sizes.max_batch_tokens)
-        # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
-        self.async_batching = bool(cfg.use_async_batching)
-        if self.async_batching and self.runner.graphs is None:
-            logger.warning("use_async_batching without CUDA graphs: every kernel launch stays on the host "
-                           "thread, so little of the next step's preparation overlaps this one")
 
     def release_model(self, result: Any = None) -> None:
         """Give the model back its own attention implementation, linear layers and eager layers;

@@ -23,7 +23,7 @@ from cbserve.kernels import triton_attention as tri
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs
 from cbserve.workers import cuda_graphs
 from cbserve.workers.block_table import BlockTables
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -286,7 +286,7 @@ def test_varlen_graphs_with_sliding_windows_and_no_decode_fast_path() -> None:
 def test_graph_shapes_buckets_and_limits(monkeypatch) -> None:
     """Which steps get which padded shape, and which run eagerly."""
     model = tiny_model("llama")
-    engine = EngineCore(model, GenerationConfig(max_new_tokens=4), cbserve.ContinuousBatchingConfig(
+    engine = build_engine(model, GenerationConfig(max_new_tokens=4), cbserve.ContinuousBatchingConfig(
         page_size=16, num_blocks=64, max_batch_tokens=256, attention_backend="reference", max_blocks_per_request=4))
     try:
         graphs = step_graphs([], decode=True, varlen=True, q=0, kv=0, max_requests=8)(engine)

@@ -16,7 +16,7 @@ from cbserve.outputs import RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.request import Request
 from cbserve.scheduler.scheduler import ScheduledRequest, Scheduler
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
 
@@ -186,7 +186,7 @@ def test_engine_tokens_identical_to_running_alone_and_the_single_request_not_sta
     max_new = 12
     cfg = cbserve.ContinuousBatchingConfig(page_size=8, num_blocks=20, max_batch_tokens=64, max_requests_per_batch=16,
                                            return_logprobs=True)
-    engine = EngineCore(model, GenerationConfig(max_new_tokens=max_new, do_sample=False), cfg)
+    engine = build_engine(model, GenerationConfig(max_new_tokens=max_new, do_sample=False), cfg)
     try:
         big = [engine.make_request(big_prompt, f"big-{i}") for i in range(24)]
         for r in big:

@@ -9,7 +9,7 @@ import pytest
 from transformers import GenerationConfig
 
 import cbserve
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
 MAX_NEW = 10
@@ -29,7 +29,7 @@ def run_engine(model, prompts, cfg: cbserve.ContinuousBatchingConfig, max_new: i
                eos_token_id: int | None = None):
     """Greedy, EOS ignored unless given; `setup(engine)` runs before the requests are added."""
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos_token_id)
-    engine = EngineCore(model, gc, cfg)
+    engine = build_engine(model, gc, cfg)
     try:
         if setup is not None:
             setup(engine)

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 import cbserve
 from cbserve.workers import async_batching
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.input_staging import InputStaging
 from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
@@ -129,7 +129,7 @@ def test_eos_one_step_late_is_dropped_and_frees_everything() -> None:
 def test_cancel_while_in_flight() -> None:
     model = tiny_model("llama")
     gc = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, config())
+    engine = build_engine(model, gc, config())
     try:
         async_on(engine)
         a, b = engine.make_request([1, 2, 3], "a"), engine.make_request([4, 5], "b")
@@ -155,7 +155,7 @@ def test_steps_with_sampled_requests_run_synchronously_and_match() -> None:
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     outputs = []
     for use_async in (False, True):
-        engine = EngineCore(model, gc, config(per_request_processors=True, return_logprobs=False))
+        engine = build_engine(model, gc, config(per_request_processors=True, return_logprobs=False))
         try:
             engine.async_batching = use_async
             greedy = engine.make_request([1, 2, 3, 4], "greedy")

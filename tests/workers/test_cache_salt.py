@@ -31,7 +31,7 @@ from cbserve.serving.front.openai_service import OpenAIService
 from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
 from cbserve.serving.protocol import Sampling, WorkerRequest
 from cbserve.serving.replica.generation import ModelInfo, submit
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.kv.node_pool import NodeKVPool
 from cbserve.workers.validation import MAX_CACHE_SALT_CHARS
 from tests.support.tiny_models import random_prompts, tiny_model
@@ -185,8 +185,8 @@ def _engine_run(pool_name: str, salt: str | None) -> tuple[list[int], int]:
     from the node pool."""
     cfg = cbserve.ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=256,
                                            cpu_offload_space=0.002, node_kv_pool=pool_name)
-    engine = EngineCore(tiny_model("llama"), GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False,
-                                                              eos_token_id=None), cfg)
+    engine = build_engine(tiny_model("llama"), GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False,
+                                                                eos_token_id=None), cfg)
     try:
         request = engine.make_request(PROMPT, "req")
         request.cache_salt = salt  # as the manager sets it from add_request(cache_salt=...)

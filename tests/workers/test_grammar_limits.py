@@ -18,6 +18,7 @@ import cbserve
 from cbserve.errors import InvalidRequestError, QueueFullError
 from cbserve.workers import grammar_bounds
 from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.structured import CompilePool, CompilerBusy, CompileTimeout, StructuredOutputs
 from tests.support.tiny_models import random_prompts, tiny_model
 
@@ -242,8 +243,8 @@ def engine(min_length: int = 0) -> EngineCore:
     tok = default_tokenizer()
     model = tiny_model("llama", vocab_size=len(tok))
     gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id, min_length=min_length)
-    return EngineCore(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64,
-                                                                   per_request_processors=True))
+    return build_engine(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64,
+                                                                     per_request_processors=True))
 
 
 def sampling(core: EngineCore, **options):

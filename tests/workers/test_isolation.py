@@ -21,6 +21,7 @@ from cbserve.errors import RequestFault
 from cbserve.manager import MAX_FAILED_STEPS
 from cbserve.workers import validation
 from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.logits_processors import LogitsProcessing
 from cbserve.workers.structured import GrammarState, StructuredOutputs
 from tests.support.manager import TIMEOUT, get, get_final, hang_guard, make_manager, ref_tokens  # noqa: F401
@@ -50,7 +51,7 @@ def run(specs: list[dict], config: dict | None = None) -> tuple[list, EngineCore
     gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos)
     cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True,
                                            per_request_processors=True, **(config or {}))
-    engine = EngineCore(model, gc, cfg)
+    engine = build_engine(model, gc, cfg)
     prompts = random_prompts([7, 19, 11, 25, 9, 14], vocab=len(tokenizer()))
     try:
         requests = []

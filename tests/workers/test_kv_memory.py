@@ -9,7 +9,8 @@ import pytest
 
 import cbserve
 from cbserve.scheduler.host_pages import KVTransfer
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
+from cbserve.workers.sizing import Workload
 from tests.support.exactness import assert_matches_reference, reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -117,10 +118,8 @@ def test_a_burst_sharing_a_prefix_computes_it_once() -> None:
 def test_cancel_while_offloaded_frees_host_and_device_pages() -> None:
     from transformers import GenerationConfig
 
-    from cbserve.workers.engine import EngineCore
-
     gc = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None)
-    engine = EngineCore(tiny_model("qwen3"), gc, small_cache(cpu_offload_space=0.01))
+    engine = build_engine(tiny_model("qwen3"), gc, small_cache(cpu_offload_space=0.01))
     try:
         requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(random_prompts(list(LENGTHS)))]
         for r in requests:
@@ -147,9 +146,9 @@ def test_auto_num_blocks_counts_one_partial_page_per_request() -> None:
     too few pages would run the batch in two waves."""
     from transformers import GenerationConfig
 
-    engine = EngineCore(tiny_model("llama"), GenerationConfig(max_new_tokens=128),
-                        cbserve.ContinuousBatchingConfig(page_size=256),
-                        max_total_tokens_hint=128 * 144, num_requests_hint=128)
+    engine = build_engine(tiny_model("llama"), GenerationConfig(max_new_tokens=128),
+                          cbserve.ContinuousBatchingConfig(page_size=256),
+                          Workload(max_total_tokens=128 * 144, num_requests=128))
     try:
         assert engine.cache.num_blocks >= 128
         assert engine.scheduler.max_requests >= 128

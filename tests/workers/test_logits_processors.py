@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve.errors import InvalidRequestError
 from cbserve.workers import validation
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from tests.support.tiny_models import random_prompts, tiny_model
 
 MAX_NEW = 12
@@ -29,7 +29,7 @@ def run(requests_spec, gc: GenerationConfig, per_request: bool = False):
     """requests_spec: [(prompt, SamplingParams overrides or None)]; greedy, EOS from gc."""
     cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, max_batch_tokens=32, return_logprobs=True,
                                            per_request_processors=per_request)
-    engine = EngineCore(model(), gc, cfg)
+    engine = build_engine(model(), gc, cfg)
     try:
         requests = []
         for i, (prompt, options) in enumerate(requests_spec):
@@ -184,7 +184,7 @@ def test_out_of_range_options_are_refused_naming_the_field(name: str, value) -> 
 def test_unsupported_generation_config_fields_are_refused(field: str, value) -> None:
     gc = GenerationConfig(max_new_tokens=4, **{field: value})
     with pytest.raises(ValueError, match=field):
-        EngineCore(model(), gc, cbserve.ContinuousBatchingConfig(num_blocks=16, page_size=16))
+        build_engine(model(), gc, cbserve.ContinuousBatchingConfig(num_blocks=16, page_size=16))
     assert model().config._attn_implementation == "sdpa"  # refused before the model was touched
 
 
@@ -203,7 +203,7 @@ def test_prompt_logprobs_equal_a_full_forward(max_batch_tokens: int) -> None:
     prompts = [shared, random_prompts([1], seed=12)[0], shared + [5, 6], shared]
     cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, max_batch_tokens=max_batch_tokens,
                                            per_request_processors=True)
-    engine = EngineCore(model(), gc, cfg)
+    engine = build_engine(model(), gc, cfg)
     try:
         requests = []
         for i, prompt in enumerate(prompts):

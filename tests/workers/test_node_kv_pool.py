@@ -28,6 +28,7 @@ from transformers import GenerationConfig
 
 import cbserve
 from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.kv import node_pool
 from cbserve.workers.kv.node_pool import NodeKVPool, chain_keys
 from tests.support.exactness import run_engine
@@ -61,7 +62,7 @@ def prompts() -> list[list[int]]:
 
 def run(model, prompt: list[int], cfg) -> tuple[list[int], list[float], EngineCore]:
     gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
-    engine = EngineCore(model, gc, cfg)
+    engine = build_engine(model, gc, cfg)
     try:
         request = engine.make_request(prompt, "req")
         engine.add_request(request)
@@ -256,7 +257,7 @@ def test_an_engine_that_cannot_use_the_pool_refuses_it(pool_name: str, arch: str
     model = tiny_model(arch)
     own = model.config._attn_implementation
     with pytest.raises(ValueError, match="node_kv_pool .* needs prefix caching"):
-        EngineCore(model, GenerationConfig(max_new_tokens=2), config(pool_name, **overrides))
+        build_engine(model, GenerationConfig(max_new_tokens=2), config(pool_name, **overrides))
     assert model.config._attn_implementation == own  # refused before the engine took the model's attention
 
 

@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 import cbserve
 from cbserve.errors import InvalidRequestError
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.structured import StructuredOutputs
 from tests.support.tiny_models import random_prompts, tiny_model
 
@@ -44,7 +44,7 @@ def constrained_run(specs, max_new: int = 40):
     eos = tokenizer().eos_token_id
     structured = StructuredOutputs(tokenizer(), model.config.vocab_size, [eos])
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
-    engine = EngineCore(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=400))
+    engine = build_engine(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=400))
     prompts = random_prompts([5, 30, 12, 50, 8, 21], vocab=len(tokenizer()))
     try:
         requests = [engine.make_request(prompts[i % len(prompts)], f"req_{i}",
@@ -91,7 +91,7 @@ def test_json_object_from_the_default_model() -> None:
     prompt = tok.apply_chat_template([{"role": "user", "content": "Describe a cat as a JSON object."}],
                                      add_generation_prompt=True, tokenize=True, return_dict=False)
     gc = GenerationConfig(max_new_tokens=200, do_sample=False, eos_token_id=tok.eos_token_id)
-    engine = EngineCore(model, gc, cbserve.ContinuousBatchingConfig(page_size=64, num_blocks=32))
+    engine = build_engine(model, gc, cbserve.ContinuousBatchingConfig(page_size=64, num_blocks=32))
     try:
         request = engine.make_request(prompt, "cat", grammar=structured.compile("json_object", None))
         engine.add_request(request)

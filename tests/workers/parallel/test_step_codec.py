@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
 from cbserve.scheduler.host_pages import KVTransfer
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.parallel import step_codec
 from tests.support.tiny_models import random_prompts, tiny_model
 
@@ -50,7 +50,7 @@ def test_every_step_decodes_to_rank_0s_inputs(backend: str) -> None:
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     cfg = cbserve.ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=24, attention_backend=backend,
                                            prepack_weights=False, max_blocks_per_request=16)
-    engine = EngineCore(tiny_model("llama"), gc, cfg)
+    engine = build_engine(tiny_model("llama"), gc, cfg)
     runner = engine.runner
     host: list = []
     to_device = runner._to_device

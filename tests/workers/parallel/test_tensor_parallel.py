@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve import FinishReason, GenerationOutput, RequestStatus
 from cbserve.manager import ContinuousBatchingManager
-from cbserve.workers.engine import EngineCore
+from cbserve.workers.factory import build_engine
 from cbserve.workers.parallel.leader import BroadcastingRunner, TensorParallelLeader
 from tests.support.manager import alarm_guard
 from tests.support.tiny_models import random_prompts, tiny_model
@@ -60,7 +60,7 @@ def greedy(max_new: int) -> GenerationConfig:
 @functools.cache
 def tp1(arch: str, prompt: tuple[int, ...], max_new: int) -> tuple[list[int], list[float]]:
     """The single-process engine's greedy tokens and logprobs for one prompt."""
-    engine = EngineCore(model_for(arch), greedy(max_new), engine_config())
+    engine = build_engine(model_for(arch), greedy(max_new), engine_config())
     try:
         request = engine.make_request(list(prompt), "ref")
         engine.add_request(request)
