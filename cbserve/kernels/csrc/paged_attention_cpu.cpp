@@ -223,23 +223,25 @@ struct Avx2 {
   CB_AVX2 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl, int64_t nq,
                                  int64_t group, float scale, float* scores, int64_t n, float* top) {
     constexpr int64_t dim = 8 * DV;
-    const int64_t v_bytes = nq / group * dim * static_cast<int64_t>(sizeof(T));
+    const int64_t kv_heads = nq / group, v_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(T));
     CB_FOR_SLOTS(sl, j, slot) {
       const T* kr = k + slot * kv_row;
       const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
       for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
-      for (int64_t h = 0; h < nq; ++h) {
-        const T* kh = kr + h / group * dim;
-        const float* qh = q + h * dim;
-        __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), load8_avx2(kh)), s1 = _mm256_setzero_ps();
+      for (int64_t g = 0, h = 0; g < kv_heads; ++g) {
+        const T* kh = kr + g * dim;  // the KV head of query heads [g * group, + group)
+        for (int64_t e = 0; e < group; ++e, ++h) {
+          const float* qh = q + h * dim;
+          __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qh), load8_avx2(kh)), s1 = _mm256_setzero_ps();
 #pragma GCC unroll 16
-        for (int i = 1; i < DV; ++i) {
-          if (i % 2) s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s1);
-          else s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s0);
+          for (int i = 1; i < DV; ++i) {
+            if (i % 2) s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s1);
+            else s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load8_avx2(kh + 8 * i), s0);
+          }
+          const float sc = hsum_avx2(_mm256_add_ps(s0, s1)) * scale;
+          scores[h * n + j] = sc;
+          top[h] = std::max(top[h], sc);
         }
-        const float sc = hsum_avx2(_mm256_add_ps(s0, s1)) * scale;
-        scores[h * n + j] = sc;
-        top[h] = std::max(top[h], sc);
       }
     }
   }
@@ -307,23 +309,25 @@ struct Avx512 {
   CB_AVX512 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl,
                                    int64_t nq, int64_t group, float scale, float* scores, int64_t n, float* top) {
     constexpr int64_t dim = 16 * DV;
-    const int64_t v_bytes = nq / group * dim * static_cast<int64_t>(sizeof(T));
+    const int64_t kv_heads = nq / group, v_bytes = kv_heads * dim * static_cast<int64_t>(sizeof(T));
     CB_FOR_SLOTS(sl, j, slot) {
       const T* kr = k + slot * kv_row;
       const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
       for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
-      for (int64_t h = 0; h < nq; ++h) {
-        const T* kh = kr + h / group * dim;
-        const float* qh = q + h * dim;
-        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), load16_avx512(kh, 0xFFFF)), s1 = _mm512_setzero_ps();
+      for (int64_t g = 0, h = 0; g < kv_heads; ++g) {
+        const T* kh = kr + g * dim;  // the KV head of query heads [g * group, + group)
+        for (int64_t e = 0; e < group; ++e, ++h) {
+          const float* qh = q + h * dim;
+          __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(qh), load16_avx512(kh, 0xFFFF)), s1 = _mm512_setzero_ps();
 #pragma GCC unroll 16
-        for (int i = 1; i < DV; ++i) {
-          if (i % 2) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s1);
-          else s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s0);
+          for (int i = 1; i < DV; ++i) {
+            if (i % 2) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s1);
+            else s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * i), load16_avx512(kh + 16 * i, 0xFFFF), s0);
+          }
+          const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+          scores[h * n + j] = sc;
+          top[h] = std::max(top[h], sc);
         }
-        const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
-        scores[h * n + j] = sc;
-        top[h] = std::max(top[h], sc);
       }
     }
   }
@@ -364,26 +368,28 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
                                        int64_t kv_row, const Slots& sl, int64_t nq, int64_t group, float scale,
                                        float* scores, int64_t n, float* top) {
     constexpr int64_t dim = 32 * DV;
-    const int64_t v_bytes = nq / group * dim * 2;
+    const int64_t kv_heads = nq / group, v_bytes = kv_heads * dim * 2;
     CB_FOR_SLOTS(sl, j, slot) {
       const c10::BFloat16* kr = k + slot * kv_row;
       const char* vr = reinterpret_cast<const char*>(v + slot * kv_row);
       for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
-      for (int64_t h = 0; h < nq; ++h) {
-        const c10::BFloat16* kh = kr + h / group * dim;
-        const c10::BFloat16* qh = q + h * dim;
-        __m512 s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh),
-                                     (__m512bh)_mm512_loadu_si512(kh));
-        __m512 s1 = _mm512_setzero_ps();
+      for (int64_t g = 0, h = 0; g < kv_heads; ++g) {
+        const c10::BFloat16* kh = kr + g * dim;  // the KV head of query heads [g * group, + group)
+        for (int64_t e = 0; e < group; ++e, ++h) {
+          const c10::BFloat16* qh = q + h * dim;
+          __m512 s0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qh),
+                                       (__m512bh)_mm512_loadu_si512(kh));
+          __m512 s1 = _mm512_setzero_ps();
 #pragma GCC unroll 16
-        for (int i = 1; i < DV; ++i) {
-          const __m512bh qi = (__m512bh)_mm512_loadu_si512(qh + 32 * i), ki = (__m512bh)_mm512_loadu_si512(kh + 32 * i);
-          if (i % 2) s1 = _mm512_dpbf16_ps(s1, qi, ki);
-          else s0 = _mm512_dpbf16_ps(s0, qi, ki);
+          for (int i = 1; i < DV; ++i) {
+            const __m512bh qi = (__m512bh)_mm512_loadu_si512(qh + 32 * i), ki = (__m512bh)_mm512_loadu_si512(kh + 32 * i);
+            if (i % 2) s1 = _mm512_dpbf16_ps(s1, qi, ki);
+            else s0 = _mm512_dpbf16_ps(s0, qi, ki);
+          }
+          const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+          scores[h * n + j] = sc;
+          top[h] = std::max(top[h], sc);
         }
-        const float sc = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
-        scores[h * n + j] = sc;
-        top[h] = std::max(top[h], sc);
       }
     }
   }
@@ -422,8 +428,9 @@ struct Head {
       default: break;
     }
     for (int64_t h = 0; h < nq; ++h) {
+      const T* kh = k + h / group * dim;
       for_each_slot(sl.table, sl.page_size, sl.first, sl.last, [&](int64_t j, int64_t slot) {
-        out[h * n + j] = Ops::dot(q + h * dim, k + slot * kv_row + h / group * dim, dim) * scale;
+        out[h * n + j] = Ops::dot(q + h * dim, kh + slot * kv_row, dim) * scale;
         top[h] = std::max(top[h], out[h * n + j]);
       });
     }
