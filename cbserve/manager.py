@@ -348,6 +348,12 @@ class ContinuousBatchingManager:
             if not finished and not exhausted:
                 self._loop.abandon(request_id)
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest prompt + output one request may have: the model's context or the KV cache's
+        pages, the smaller (what the OpenAI server reports as `max_model_len`)."""
+        return min(self.engine.max_context, self.engine.capacity_tokens)
+
     def check_health(self) -> None:
         """Raise RuntimeError when this manager cannot serve: stopped, its loop died, or its
         engine broken (a tensor-parallel rank died or hung)."""

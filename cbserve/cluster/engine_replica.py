@@ -119,13 +119,14 @@ class EngineReplica:
         eos = eos_ids(model, self.tokenizer)
         self.manager = cbserve.init_continuous_batching(
             model,
-            generation_config=GenerationConfig(max_new_tokens=self.args.generation.max_tokens, eos_token_id=eos),
+            # Every request names its max_new_tokens (max_new_tokens below): this default is unused.
+            generation_config=GenerationConfig(eos_token_id=eos),
             continuous_batching_config=engine,
         )
         self.manager.start()
         self.info = ModelInfo(
             eos_token_id=eos,
-            max_context=int(getattr(model.config, "max_position_embeddings", 2048)),
+            max_context=self.manager.max_sequence_tokens,
             default_max_tokens=self.args.generation.max_tokens,
             grammars=Grammars(self.tokenizer, int(model.config.vocab_size), eos, config=self.manager.config),
         )

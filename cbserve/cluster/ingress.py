@@ -1,7 +1,7 @@
 """The ingress deployment: the OpenAI HTTP API (FastAPI) and the gRPC `Generate` call.
 
 HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Every
+`GET /metrics`, `GET /version`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Every
 refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 `cbserve/serving/protos/generate.proto`, reached through Serve's gRPC proxy, which calls the
 method of the same name here. The protocol itself (bodies, choices, replies) is in
@@ -16,6 +16,7 @@ evaluated.
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -73,6 +74,14 @@ def _cancel_quietly(gen: Any) -> None:
         logger.debug("cancelling a failed worker call: %r", exc)
 
 
+def cbserve_version() -> str:
+    """The installed package's version (`GET /version`, as vLLM answers it)."""
+    try:
+        return importlib.metadata.version("cbserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _declared_routes(router: Any) -> Iterator[Any]:
     """Every route under `router`: Serve re-mounts the class's routes on an included router, which
     FastAPI >= 0.137 keeps as one nested node (`original_router`) instead of flattening."""
@@ -120,6 +129,7 @@ class OpenAIIngress:
     def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: ClusterArgs):
         self.args = args
         self._replicas = replicas  # the engine replicas' deployment
+        self._model_len: int | None = None  # max_model_len, from a replica (`_max_model_len`)
         self._generate = replicas.options(stream=True, method_name="generate")
         self._board = board
         # Each key is a tenant of the engine's fair share, known by its digest only.
@@ -225,7 +235,8 @@ class OpenAIIngress:
             self._check_auth(request)
             check_control_headers(request.headers)
             req = parse_request(await self._read_body(request), schema)
-            reply: Reply = await run(req, arrival)
+            # Serve's proxy echoes X-Request-Id (its own id when the client sent none).
+            reply: Reply = await run(req, arrival, request.headers.get("x-request-id"))
         except APIError as exc:
             return self._error(exc)
         except ClientDisconnect:
@@ -292,8 +303,27 @@ class OpenAIIngress:
             self._check_auth(request)
         except APIError as exc:
             return self._error(exc)
-        card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name)
+        card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name,
+                         max_model_len=await self._max_model_len())
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def _max_model_len(self) -> int | None:
+        """The longest prompt + output, as a replica reports it (asked once; None while none answers)."""
+        if self._model_len is None:
+            try:
+                info = await asyncio.wait_for(self._replicas.tokenizer_info.remote(), timeout=10)
+                self._model_len = int(info["model_max_length"])
+            except Exception as exc:  # noqa: BLE001 - the card is still valid without it
+                logger.warning("/v1/models without max_model_len: no replica answered (%r)", exc)
+        return self._model_len
+
+    @app.get("/version")
+    async def version(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except APIError as exc:
+            return self._error(exc)
+        return JSONResponse({"version": cbserve_version()})
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -49,6 +49,8 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
                                for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     return out
 

@@ -89,9 +89,14 @@ def tool_choice_mode(req: ChatCompletionRequest) -> str:
     return "named"
 
 
+MAX_PARALLEL_CALLS = 8
+
+
 def tool_constraint(req: ChatCompletionRequest, mode: str) -> Constraint | None:
     """The grammar of a forced call: one call of the named function, or (required) a JSON list
-    of one or more calls of any of the tools (one when `parallel_tool_calls` is false)."""
+    of one or more calls of any of the tools: one when `parallel_tool_calls` is false, at most
+    MAX_PARALLEL_CALLS else (a model that repeats its call must still close the list, long before
+    a max_tokens that defaults to the context left)."""
     if mode == "named":
         name = req.tool_choice.function.name  # type: ignore[union-attr]
         fn = next(t.function for t in req.tools or [] if t.function.name == name)
@@ -99,8 +104,7 @@ def tool_constraint(req: ChatCompletionRequest, mode: str) -> Constraint | None:
     if mode == "required":
         calls = [call_schema(t.function.name, t.function.parameters) for t in req.tools or []]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not req.parallel_tool_calls:
-            schema["maxItems"] = 1
+        schema["maxItems"] = MAX_PARALLEL_CALLS if req.parallel_tool_calls else 1
         return Constraint(kind="json_schema", spec=schema, field="tools")
     return None
 

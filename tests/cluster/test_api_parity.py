@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import importlib.metadata
 import json
 import re
 import shutil
@@ -261,6 +262,18 @@ def test_tokenize_detokenize_and_tokenizer_info(cluster: dict[str, Any], referen
     assert status == 400 and err["error"]["param"] == "tokens"
     status, _, info = _http(cluster, "GET", "/tokenizer_info")
     assert status == 200 and info["eos_token"] == tok.eos_token and info["chat_template"]
+    status, _, models = _http(cluster, "GET", "/v1/models")  # issue 31: vLLM's max_model_len on the card
+    assert status == 200 and models["data"][0]["max_model_len"] == 4096
+    status, _, version = _http(cluster, "GET", "/version")
+    assert status == 200 and version == {"version": importlib.metadata.version("cbserve")}
+    # X-Request-Id: the response's id (vLLM's chatcmpl-<id>), echoed by Serve's proxy.
+    conn = http.client.HTTPConnection("127.0.0.1", cluster["http"], timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}]}), {"Content-Type": "application/json", "X-Request-Id": "trace-7"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["id"] == "chatcmpl-trace-7"
+    assert resp.getheader("x-request-id") == "trace-7"
+    assert status == 200 and version == {"version": importlib.metadata.version("cbserve")}
 
 
 def test_a_full_engine_queue_answers_503_with_retry_after(cluster: dict[str, Any]) -> None:

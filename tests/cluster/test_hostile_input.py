@@ -254,7 +254,7 @@ def test_http_oversized_prompts_name_the_field(still_serving: dict[str, Any]) ->
     cases = [
         ("/v1/completions", {**COMPLETION, "prompt": words}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [5] * 600}, "prompt"),
-        ("/v1/completions", {**COMPLETION, "prompt": [5] * 509, "max_tokens": MAX_TOKENS}, "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": [5] * 512}, "prompt"),  # fills the context: no room
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": words}]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": "x" * 70_000}, None),  # over max_body_bytes: 413
     ]
@@ -266,6 +266,10 @@ def test_http_oversized_prompts_name_the_field(still_serving: dict[str, Any]) ->
             assert status == 413
         else:
             assert status == 400 and field in err["message"], err
+    # A max_tokens past the context is capped to the room left (issue 31, as vLLM), not refused.
+    body = {**COMPLETION, "prompt": [5] * 509, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    status, _, raw = _post(still_serving, "/v1/completions", dump(body).encode())
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3, raw
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------

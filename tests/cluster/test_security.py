@@ -30,6 +30,7 @@ ROUTES = [
     ("POST", "/v1/completions", COMPLETION, 200),
     ("POST", "/v1/chat/completions", CHAT, 200),
     ("GET", "/v1/models", None, 200),
+    ("GET", "/version", None, 200),
     ("GET", "/metrics", None, 200),
     ("GET", "/v1/nothing-here", None, 404),
     ("POST", "/v1/embeddings", COMPLETION, 404),

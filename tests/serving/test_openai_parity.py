@@ -331,6 +331,20 @@ def test_named_and_required_tool_calls_always_validate(service: OpenAIService) -
     jsonschema.validate(json.loads(call["function"]["arguments"]), fn["function"]["parameters"])
 
 
+def test_required_calls_close_within_a_bound() -> None:
+    """A model that repeats its call must still close the list (max_tokens defaults to the context)."""
+    from cbserve.serving.constraints import MAX_PARALLEL_CALLS, tool_constraint
+
+    call = {"name": "get_weather", "arguments": {"city": "paris", "days": 1}}
+    for parallel, most in ((True, MAX_PARALLEL_CALLS), (False, 1)):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=parallel)
+        spec = tool_constraint(req, "required").spec
+        jsonschema.validate([call] * most, spec)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([call] * (most + 1), spec)
+
+
 def test_named_tool_call_streams(service: OpenAIService) -> None:
     chunks = chat_stream(service, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
                          tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64,
@@ -407,7 +421,7 @@ def test_unknown_fields_are_refused_by_name(body: dict[str, Any], param: str) ->
 
 
 def test_chat_unknown_fields_and_the_ignored_ones(service: OpenAIService) -> None:
-    for body, param in (({"messages": [{"role": "user", "content": "x", "refusal": None}]}, "messages.0.refusal"),
+    for body, param in (({"messages": [{"role": "user", "content": "x", "frobnicate": None}]}, "messages.0.frobnicate"),
                         ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                          "messages.0.content")):
@@ -416,6 +430,94 @@ def test_chat_unknown_fields_and_the_ignored_ones(service: OpenAIService) -> Non
     body = chat(service, messages=[{"role": "user", "content": "x"}], user="someone", max_tokens=2,
                 tools=[{**WEATHER, "function": {**WEATHER["function"], "strict": True}}], tool_choice="none")
     assert "tool_calls" not in body["choices"][0]["message"] and body["choices"][0]["finish_reason"] == "length"
+
+
+# -- what today's OpenAI clients send (issue 31) ------------------------------------------------------
+
+
+def test_fields_current_sdks_send_are_accepted(service: OpenAIService) -> None:
+    body = chat(service, messages=[{"role": "user", "content": "x"}], max_tokens=2, store=False, metadata={"run": "a"},
+                service_tier="auto", prompt_cache_key="conversation-1", user="someone", parallel_tool_calls=False)
+    assert body["choices"][0]["finish_reason"] == "length"
+    body = complete(service, prompt="x", max_tokens=2, store=None, service_tier="default", prompt_cache_key="k")
+    assert body["usage"]["completion_tokens"] == 2
+    for extra, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                         ({"metadata": {"k" * 65: "v"}}, "metadata"), ({"metadata": {"k": 1}}, "metadata.k"),
+                         ({"prompt_cache_key": ""}, "prompt_cache_key")):
+        err = refused(parse_request, json.dumps({"model": "tiny", "prompt": "x", **extra}).encode(), CompletionRequest)
+        assert err.status == 400 and err.param == param, (extra, err.param, err.message)
+
+
+def test_replayed_assistant_turns_are_accepted(service: OpenAIService) -> None:
+    from cbserve.serving.chat_template import template_messages
+
+    turn = {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None,
+            "reasoning_content": "the user greets"}
+    messages = [{"role": "user", "content": "hello"}, turn, {"role": "user", "content": "and?"}]
+    assert chat(service, messages=messages, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+    req = parse_request(json.dumps({"model": "tiny", "messages": messages}).encode(), ChatCompletionRequest)
+    assert template_messages(req.messages)[1] == {"role": "assistant", "content": "hi",
+                                                  "reasoning_content": "the user greets"}
+    err = refused(parse_request, json.dumps({"model": "tiny", "messages": [
+        {"role": "user", "content": "x", "refusal": "no"}]}).encode(), ChatCompletionRequest)
+    assert err.status == 400 and err.param == "messages.0" and "refusal" in err.message
+
+
+def test_prompt_cache_key_is_the_routing_key(service: OpenAIService) -> None:
+    def hashes(prompt: str, **extra: Any) -> list[int]:
+        req = parse_request(json.dumps({"model": "tiny", "prompt": prompt, **extra}).encode(), CompletionRequest)
+        return service.completion_requests(req, "cmpl-x")[0].prefix_hashes
+
+    long_a, long_b = "a" * 400, "b" * 400
+    assert hashes(long_a) != hashes(long_b)  # by prefix without a key
+    assert hashes(long_a, prompt_cache_key="k") == hashes(long_b, prompt_cache_key="k") != []
+    assert hashes(long_a, prompt_cache_key="k") != hashes(long_a, prompt_cache_key="other")
+    assert hashes("short", prompt_cache_key="k") == hashes(long_a, prompt_cache_key="k")
+
+
+def test_x_request_id_is_the_response_id(service: OpenAIService) -> None:
+    from cbserve.serving.front.openai_service import call_ids
+
+    req = parse_request(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                    "max_tokens": 2}).encode(), ChatCompletionRequest)
+    assert _run(service.chat(req, client_id="trace-42")).body.id == "chatcmpl-trace-42"
+    creq = parse_request(json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode(), CompletionRequest)
+    assert _run(service.complete(creq, client_id="a.b:c_d-e")).body.id == "cmpl-a.b:c_d-e"
+    assert _run(service.complete(creq)).body.id.startswith("cmpl-")
+    # Two clients with one id: one response id, two engine calls (choices and fair share apart).
+    (first, call_a), (second, call_b) = call_ids("cmpl", "same"), call_ids("cmpl", "same")
+    assert first == second == "cmpl-same" and call_a != call_b and call_a.startswith("cmpl-same-")
+    for bad in ("", "x" * 129, "a b", "é", "a\nb"):
+        err = refused(lambda bad=bad: _run(service.complete(creq, client_id=bad)))
+        assert err.status == 400 and err.param == "x-request-id"
+
+
+def test_max_tokens_defaults_to_and_is_capped_by_the_context_left(service: OpenAIService, manager: Any,
+                                                                  loaded: tuple[Any, Any], model_dir: Path) -> None:
+    from cbserve.errors import InvalidRequestError
+    from cbserve.serving.replica.generation import max_new_tokens
+
+    info = ModelInfo(eos_token_id=None, max_context=64, default_max_tokens=None)
+    assert max_new_tokens(WorkerRequest(request_id="r", prompt="x"), 10, info) == 54  # the context left
+    assert max_new_tokens(WorkerRequest(request_id="r", prompt="x", max_tokens=8192), 10, info) == 54
+    assert max_new_tokens(WorkerRequest(request_id="r", prompt="x", max_tokens=5), 10, info) == 5
+    with_default = ModelInfo(eos_token_id=None, max_context=64, default_max_tokens=16)
+    assert max_new_tokens(WorkerRequest(request_id="r", prompt="x"), 10, with_default) == 16
+    assert max_new_tokens(WorkerRequest(request_id="r", prompt="x"), 60, with_default) == 4
+    with pytest.raises(InvalidRequestError) as err:
+        max_new_tokens(WorkerRequest(request_id="r", prompt="x", max_tokens=5), 64, info)
+    assert err.value.field == "input_ids"
+    # Served: no server limit by default, a large fixed max_tokens ends where the context does.
+    args = ClusterArgs(model=str(model_dir), served_model_name="tiny")
+    assert args.limits.max_tokens is None and args.generation.max_tokens is None
+    small = ModelInfo(eos_token_id=None, max_context=24, default_max_tokens=None)
+    open_service = OpenAIService(args, _opener(manager, loaded[1], small))
+    for body in ({"max_tokens": 8192}, {}):
+        out = complete(open_service, prompt=[5, 6, 7, 8], ignore_eos=True, **body)
+        assert out["usage"]["completion_tokens"] == 20 and out["choices"][0]["finish_reason"] == "length", body
+    err = refused(complete, service, prompt="x", max_tokens=8192)  # the module's service sets limits.max_tokens
+    assert err.status == 400 and err.param == "max_tokens"
 
 
 def test_a_full_engine_queue_is_the_overload_answer() -> None:

@@ -190,7 +190,6 @@ def test_closing_the_stream_cancels_the_request(manager: Any, tokenizer: Any, in
     [
         ({"prompt_ids": [1, 99999]}, "vocabulary", "prompt"),
         ({"prompt_ids": [-1, 2]}, "vocabulary", "prompt"),
-        ({"prompt": "hello", "max_tokens": 100_000}, "max_tokens", "max_tokens"),
         ({"prompt_ids": [5] * 600}, "context", "prompt"),
         ({"messages": [{"role": "user", "content": "hi " * 600}]}, "context", "messages"),
     ],

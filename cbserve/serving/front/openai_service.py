@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -122,6 +123,22 @@ async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[in
             t.cancel()
 
 
+CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def call_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """(the response's id, the call's id in the engine: its choices' ids and fair-share parent).
+    With an X-Request-Id (at most 128 of A-Z a-z 0-9 . _ : -) the response is `prefix-<it>`, as
+    vLLM answers, and the engine's id adds a random part: two clients sending one X-Request-Id
+    never meet in the engine."""
+    if client_id is None:
+        rid = _new_id(prefix)
+        return rid, rid
+    if not CLIENT_ID.fullmatch(client_id):
+        raise APIError(400, "header x-request-id: at most 128 characters of A-Z a-z 0-9 . _ : -", "x-request-id")
+    return f"{prefix}-{client_id}", _new_id(f"{prefix}-{client_id}")
+
+
 class OpenAIService:
     def __init__(self, args: ServiceArgs, open_choice: OpenChoice, metrics: ServingMetrics | None = None):
         self.args = args
@@ -173,7 +190,7 @@ class OpenAIService:
         out = []
         for p_idx, prompt in enumerate(prompts):
             first = worker_request(
-                f"{rid}-{p_idx}-0", routing_hashes(self.args.routing, prompt), block,
+                f"{rid}-{p_idx}-0", routing_hashes(self.args.routing, prompt, cache_key=req.prompt_cache_key), block,
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_ids=None if isinstance(prompt, str) else prompt, max_tokens=req.max_tokens,
                 stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens, constraint=constraint,
@@ -197,7 +214,7 @@ class OpenAIService:
             raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with stream on chat completions")
         messages = template_messages(req.messages)
         first = worker_request(
-            f"{rid}-0", routing_hashes(self.args.routing, messages=messages),
+            f"{rid}-0", routing_hashes(self.args.routing, messages=messages, cache_key=req.prompt_cache_key),
             self._sampling(req, rid, req.top_logprobs, req.prompt_logprobs), messages=messages,
             max_tokens=max_tokens, stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens,
             constraint=self._chat_constraint(req, mode), logprobs=req.logprobs,
@@ -287,15 +304,17 @@ class OpenAIService:
 
     # -- completions and chat -------------------------------------------------------------------
 
-    async def complete(self, req: CompletionRequest, arrival: float | None = None) -> Reply:
+    async def complete(self, req: CompletionRequest, arrival: float | None = None,
+                       client_id: str | None = None) -> Reply:
+        """`client_id`: the client's X-Request-Id, the response's id (`cmpl-<it>`) as vLLM has it."""
         try:
-            return await self._complete(req, time.perf_counter() if arrival is None else arrival)
+            return await self._complete(req, time.perf_counter() if arrival is None else arrival,
+                                        *call_ids("cmpl", client_id))
         except InvalidRequestError as exc:
             raise openai_error(exc, "prompt") from None
 
-    async def _complete(self, req: CompletionRequest, arrival: float) -> Reply:
-        rid = _new_id("cmpl")
-        streams = await self._open_all(self.completion_requests(req, rid), req.n)
+    async def _complete(self, req: CompletionRequest, arrival: float, rid: str, call: str) -> Reply:
+        streams = await self._open_all(self.completion_requests(req, call), req.n)
         replicas = [s.start.replica or "" for s in streams]
         prompt_tokens = sum(s.start.prompt_tokens for s in streams[:: req.n])
         if req.stream:
@@ -313,16 +332,17 @@ class OpenAIService:
         return Reply(replicas, body=CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                                        usage=usage(prompt_tokens, results)))
 
-    async def chat(self, req: ChatCompletionRequest, arrival: float | None = None) -> Reply:
+    async def chat(self, req: ChatCompletionRequest, arrival: float | None = None,
+                   client_id: str | None = None) -> Reply:
         try:
-            return await self._chat(req, time.perf_counter() if arrival is None else arrival)
+            return await self._chat(req, time.perf_counter() if arrival is None else arrival,
+                                    *call_ids("chatcmpl", client_id))
         except InvalidRequestError as exc:
             raise openai_error(exc, "messages") from None
 
-    async def _chat(self, req: ChatCompletionRequest, arrival: float) -> Reply:
-        rid = _new_id("chatcmpl")
+    async def _chat(self, req: ChatCompletionRequest, arrival: float, rid: str, call: str) -> Reply:
         mode = tool_choice_mode(req)
-        streams = await self._open_all(self.chat_requests(req, rid, mode), req.n)
+        streams = await self._open_all(self.chat_requests(req, call, mode), req.n)
         rendering = ChatRendering(req.logprobs, req.top_logprobs, mode)
         replicas = [s.start.replica or "" for s in streams]
         prompt_tokens = streams[0].start.prompt_tokens

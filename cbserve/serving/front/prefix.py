@@ -34,6 +34,12 @@ def prefix_hashes(prompt: str | Sequence[int], chunk: int, max_chunks: int) -> l
     return out
 
 
+def cache_key_hashes(key: str) -> list[int]:
+    """A client's `prompt_cache_key` as the routing key: one hash, so requests of one key share
+    a replica (and its prefix cache) whatever their prompts."""
+    return [_digest(0, b"prompt_cache_key:" + key.encode())]
+
+
 def chat_routing_text(messages: list[dict[str, str]]) -> str:
     """A text that shares a prefix between two conversations exactly when their messages do."""
     return "".join(f"<{m.get('role', '')}>{m.get('content', '')}\n" for m in messages)

@@ -40,6 +40,10 @@ IGNORED = {
     "tools[].function.strict": "named and required calls always follow the schema (grammar); auto calls "
                                "are parsed as the model wrote them",
     "tools[].function.description": "passed to the chat template, which may or may not show it",
+    "metadata": "tags for stored completions; nothing is stored here (validated as OpenAI does)",
+    "service_tier": "auto or default: this server has one tier (flex, scale, priority are refused)",
+    "messages[].annotations / audio / refusal (assistant)": "a replayed assistant turn's extras: its text "
+                                                            "(content) is what the template gets",
 }
 
 
@@ -133,6 +137,26 @@ class SamplingFields(StructuredFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     cache_salt: str | None = Field(None, strict=True, description="vLLM's: the prompt's prefix pages are shared "
                                    "only with requests of the same salt (length checked by the engine)")
+    # Fields current OpenAI SDKs send (README "Endpoints": the field policy).
+    store: bool | None = Field(None, strict=True, description="false or null: nothing is stored here")
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # IGNORED
+    service_tier: Literal["auto", "default"] | None = None  # IGNORED
+    prompt_cache_key: str | None = Field(None, strict=True, min_length=1, max_length=1024,
+                                         description="the routing key: requests with one key go to one replica")
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("completions are not stored by this server: store must be false or left out")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v and any(len(k) > 64 or len(val) > 512 for k, val in v.items()):
+            raise ValueError("metadata keys are at most 64 characters and values at most 512")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -207,11 +231,20 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # What SDKs replay of an assistant turn: the reasoning goes to the chat template (Qwen3's reads
+    # it); the rest is accepted and not used (IGNORED).
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls: only assistant messages carry tool calls")
+        for name in ("reasoning_content", "refusal", "annotations", "audio"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"{name}: only assistant messages carry it")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id: only tool messages answer a tool call")
         return self
@@ -399,6 +432,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "cbserve"
     root: str | None = None
+    max_model_len: int | None = None  # vLLM's: the longest prompt + output
 
 
 class ModelList(BaseModel):

@@ -16,14 +16,16 @@ class Strict(BaseModel):
 class GenerationDefaults(Strict):
     """Used when a request leaves a field out."""
 
-    max_tokens: int = Field(256, ge=1, description="max_tokens when the request gives none")
+    max_tokens: int | None = Field(None, ge=1, description="max_tokens when the request gives none; None: the "
+                                   "context the prompt leaves (vLLM's default)")
     temperature: float = Field(1.0, ge=0.0, description="OpenAI's default is 1.0")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 = off")
 
 
 class LimitsConfig(Strict):
-    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_tokens: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for; None: "
+                                   "no limit but the context (a larger max_tokens is capped to the context left)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
     max_n: int = Field(8, ge=1, description="largest `n` (choices per prompt)")
     max_prompts: int = Field(64, ge=1, description="largest batch of prompts in one completions call")

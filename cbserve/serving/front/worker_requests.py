@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cbserve.errors import InvalidRequestError
-from cbserve.serving.front.prefix import chat_routing_text, prefix_hashes
+from cbserve.serving.front.prefix import cache_key_hashes, chat_routing_text, prefix_hashes
 from cbserve.serving.front.service_args import GenerationDefaults, LimitsConfig, RoutingConfig
 from cbserve.serving.protocol import Sampling, WorkerRequest
 
@@ -20,7 +20,7 @@ from cbserve.serving.protocol import Sampling, WorkerRequest
 def check_limits(limits: LimitsConfig, max_tokens: int | None = None, n: int = 1, prompts: int = 1,
                  stops: Sequence[str] = ()) -> None:
     """The deployment's limits on one API request; raises InvalidRequestError naming the API field."""
-    if max_tokens is not None and max_tokens > limits.max_tokens:
+    if max_tokens is not None and limits.max_tokens is not None and max_tokens > limits.max_tokens:
         raise InvalidRequestError("max_tokens", f"max_tokens must be at most {limits.max_tokens}, got {max_tokens}")
     if n > limits.max_n:
         raise InvalidRequestError("n", f"n must be at most {limits.max_n}, got {n}")
@@ -65,8 +65,11 @@ def with_call_tenant(wreq: WorkerRequest) -> WorkerRequest:
 
 
 def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = None,
-                   messages: list[dict[str, str]] | None = None) -> list[int]:
-    """The prefix hashes of a text prompt, token ids or a chat (see `prefix.py`)."""
+                   messages: list[dict[str, str]] | None = None, cache_key: str | None = None) -> list[int]:
+    """The prefix hashes of a text prompt, token ids or a chat (see `prefix.py`); the client's
+    `prompt_cache_key` instead when it gives one."""
+    if cache_key is not None:
+        return cache_key_hashes(cache_key)
     key = chat_routing_text(messages) if messages is not None else prompt
     if key is None:
         return []

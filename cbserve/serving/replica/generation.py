@@ -46,8 +46,8 @@ class ModelInfo:
     """What the request path needs to know about the loaded model."""
 
     eos_token_id: int | list[int] | None
-    max_context: int
-    default_max_tokens: int
+    max_context: int  # the longest prompt + output: the model's context or the KV cache, the smaller
+    default_max_tokens: int | None  # None: the context the prompt leaves
     grammars: Any = None  # a `constraints.Grammars` for the model: structured outputs (None: refused)
 
 
@@ -62,11 +62,14 @@ def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
 
 
 def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
-    """The request's max_tokens, else the deployment's default capped by the room the prompt leaves.
+    """The request's max_tokens, else the deployment's default (None: no default), capped by the
+    room the prompt leaves in the context, as vLLM does: clients that send a large fixed
+    max_tokens get the context left, and `finish_reason` is `length` only where the context or
+    their own limit ends the output.
 
-    Checked here rather than by the engine: the default cannot be chosen without the room, and a
+    Checked here rather than by the engine: the cap cannot be chosen without the room, and a
     prompt that leaves none is the prompt's fault (the engine, seeing only prompt + max_new_tokens
-    too long, would blame max_new_tokens). Whether an explicit max_tokens fits is the engine's rule.
+    too long, would blame max_new_tokens).
     """
     room = info.max_context - prompt_len
     if req.max_tokens == 0:  # echo / prompt logprobs only: one step is run, its token dropped
@@ -77,7 +80,8 @@ def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
             f"the prompt's {prompt_len} tokens leave no room to generate in the model's context of "
             f"{info.max_context} tokens",
         )
-    return min(info.default_max_tokens, room) if req.max_tokens is None else req.max_tokens
+    wanted = req.max_tokens if req.max_tokens is not None else info.default_max_tokens
+    return room if wanted is None else min(wanted, room)
 
 
 def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
