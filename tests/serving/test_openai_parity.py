@@ -331,6 +331,24 @@ def test_named_and_required_tool_calls_always_validate(service: OpenAIService) -
     jsonschema.validate(json.loads(call["function"]["arguments"]), fn["function"]["parameters"])
 
 
+def test_required_calls_cut_short_keep_their_complete_calls() -> None:
+    from cbserve.serving.front.chat_replies import ChatRendering
+    from cbserve.serving.front.replies import ChoiceResult
+
+    whole = '{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}'
+    cut = f'[{whole}, \n {whole}, {{"name": "get_time", "argu'
+    content, calls = split_calls(cut, "required")
+    assert content is None and [c.function.name for c in calls] == ["get_weather"] * 2
+    assert json.loads(calls[1].function.arguments) == {"city": "paris", "days": 2}
+    assert split_calls(whole[:30], "named") == (whole[:30], [])  # one call cut short: nothing to give
+    assert split_calls("[", "required") == ("[", [])
+    rendering = ChatRendering(tool_mode="required")
+    for finish, expected in (("length", "length"), ("stop", "tool_calls")):  # cut short: still said
+        choice = rendering.choice(0, ChoiceResult(text=cut if finish == "length" else f"[{whole}]",
+                                                  finish_reason=finish))
+        assert choice.finish_reason == expected and len(choice.message.tool_calls) >= 1
+
+
 def test_required_calls_close_within_a_bound() -> None:
     """A model that repeats its call must still close the list (max_tokens defaults to the context)."""
     from cbserve.serving.constraints import MAX_PARALLEL_CALLS, tool_constraint

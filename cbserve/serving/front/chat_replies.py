@@ -23,7 +23,7 @@ class ChatRendering:
 
     def choice(self, index: int, r: ChoiceResult) -> ChatChoice:
         content, calls = split_calls(r.text, self.tool_mode)
-        finish = "tool_calls" if calls else r.finish_reason
+        finish = "tool_calls" if calls and r.finish_reason != "length" else r.finish_reason  # cut short: said
         lp = chat_logprobs(r, self.top_logprobs) if self.logprobs else None
         message = AssistantMessage(content=content, tool_calls=calls or None)
         return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
@@ -76,6 +76,6 @@ class ChatStream:
         else:
             text, calls = "", []
         out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls)
-        finish = "tool_calls" if self._calls else p.finish_reason
+        finish = "tool_calls" if self._calls and p.finish_reason != "length" else p.finish_reason
         out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), finish_reason=finish))  # type: ignore[arg-type]
         return out

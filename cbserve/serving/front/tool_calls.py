@@ -38,15 +38,32 @@ def parse_call(body: str) -> ToolCall | None:
 
 
 def forced_calls(text: str, mode: str) -> list[ToolCall]:
-    """The calls of a constrained output: one call (named) or a JSON list of them (required);
-    [] when the text does not parse (cut short by max_tokens)."""
+    """The calls of a constrained output: one call (named) or a JSON list of them (required).
+    A list cut short (max_tokens, the context) gives its complete calls; a named call cut short
+    gives none."""
     try:
         obj = json.loads(text)
     except ValueError:
-        return []
+        obj = complete_items(text) if mode == "required" else None
     items = obj if mode == "required" and isinstance(obj, list) else [obj]
     calls = [_call(item) for item in items]
     return [c for c in calls if c is not None] if all(calls) else []
+
+
+def complete_items(text: str) -> list[Any]:
+    """The whole items at the head of a JSON list whose text was cut short."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    if at == 0:
+        return items
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 def _held(text: str) -> int:
