@@ -86,12 +86,17 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def has_thinking_switch(tokenizer: Any) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3's switch, what reasoning_effort sets)."""
+    return "enable_thinking" in _template_source(tokenizer)
+
+
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   add_special_tokens: bool = False) -> list[int]:
+                   add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The chat's prompt token ids (by default: with the generation prompt, and no special tokens
-    beyond the template's own); raises InvalidRequestError("messages", ...) when the template
-    cannot render them."""
+    beyond the template's own); `template_kwargs`: variables for the template. Raises
+    InvalidRequestError("messages", ...) when the template cannot render them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("messages", "messages: this model has no chat template; use /v1/completions")
     source = _template_source(tokenizer)
@@ -99,7 +104,7 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[d
         "tool_calls" not in source and any(m.get("tool_calls") or m["role"] == "tool" for m in messages))
     if needs_hermes:
         messages = hermes_messages(messages, tools)
-    kwargs = {"tools": tools} if tools and not needs_hermes else {}
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools and not needs_hermes else {})}
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **kwargs)

@@ -70,6 +70,8 @@ class WorkerRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt_ids: list[int] | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="function tools, for the chat template")
+    template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template")
+    reasoning_effort: str | None = Field(None, description="set: the chat template must have enable_thinking")
     max_tokens: int | None = Field(None, description="None: the deployment default, capped by context; "
                                                      "0: no generated token (echo / prompt logprobs)")
     sampling: Sampling = Field(default_factory=Sampling)

@@ -494,6 +494,37 @@ def test_prompt_cache_key_is_the_routing_key(service: OpenAIService) -> None:
     assert hashes("short", prompt_cache_key="k") == hashes(long_a, prompt_cache_key="k")
 
 
+def test_chat_template_kwargs_and_reasoning_effort(service: OpenAIService, loaded: tuple[Any, Any]) -> None:
+    import copy
+
+    from cbserve.serving.chat_template import chat_token_ids
+    from cbserve.serving.front.openai_service import template_kwargs
+    from cbserve.serving.replica.generation import tokenize
+
+    tok = copy.deepcopy(loaded[1])  # a Qwen3-like thinking switch
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    msgs = [{"role": "user", "content": "hello"}]
+    on, off = chat_token_ids(tok, msgs, None), chat_token_ids(tok, msgs, None, template_kwargs={"enable_thinking": False})
+    assert tok.decode(off).endswith("/no_think") and not tok.decode(on).endswith("/no_think")
+
+    def kwargs(**body: Any) -> dict[str, Any] | None:
+        return template_kwargs(ChatCompletionRequest(messages=msgs, **body))
+    assert kwargs(reasoning_effort="minimal") == {"enable_thinking": False} == kwargs(reasoning_effort="none")
+    assert kwargs(reasoning_effort="high") == {"enable_thinking": True}
+    assert kwargs(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == {"enable_thinking": False}
+    assert kwargs() is None
+    wreq = service.chat_requests(ChatCompletionRequest(messages=msgs, reasoning_effort="none"), "c")[0]
+    assert tokenize(tok, wreq) == off  # the replica renders with the switch off
+    # The tiny model's template has no switch: reasoning_effort is refused by name; variables pass.
+    err = refused(chat, service, messages=msgs, max_tokens=2, reasoning_effort="low")
+    assert err.status == 400 and err.param == "reasoning_effort", err.message
+    assert chat(service, messages=msgs, max_tokens=2, chat_template_kwargs={"custom": 1})["choices"][0]["finish_reason"]
+    err = refused(parse_request, json.dumps({"model": "tiny", "messages": msgs, "chat_template_kwargs": {
+        "tokenize": True}}).encode(), ChatCompletionRequest)
+    assert err.status == 400 and err.param == "chat_template_kwargs" and "tokenize" in err.message
+
+
 def test_x_request_id_is_the_response_id(service: OpenAIService) -> None:
     from cbserve.serving.front.openai_service import call_ids
 

@@ -123,6 +123,15 @@ async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[in
             t.cancel()
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat template's variables: the request's own, and `enable_thinking` from
+    reasoning_effort (none and minimal: off) unless they set it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
+    return kwargs or None
+
+
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -218,7 +227,8 @@ class OpenAIService:
             self._sampling(req, rid, req.top_logprobs, req.prompt_logprobs), messages=messages,
             max_tokens=max_tokens, stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens,
             constraint=self._chat_constraint(req, mode), logprobs=req.logprobs,
-            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            template_kwargs=template_kwargs(req), reasoning_effort=req.reasoning_effort)
         return self._choices(first, req.n)
 
     # -- running choices ------------------------------------------------------------------------

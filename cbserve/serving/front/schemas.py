@@ -47,6 +47,13 @@ IGNORED = {
 }
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+TEMPLATE_CALL_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -287,6 +294,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, max_length=32, description="vLLM's: variables for the chat template (Qwen3's enable_thinking)")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="the template's thinking switch: none and minimal turn it off (refused without one)")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & TEMPLATE_CALL_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server, not a template variable")
+        return v
 
 
 # ---- responses --------------------------------------------------------------------------------

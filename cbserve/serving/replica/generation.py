@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
 from cbserve.outputs import GenerationOutput
 from cbserve.serving.api_errors import error_event
-from cbserve.serving.chat_template import chat_token_ids
+from cbserve.serving.chat_template import chat_token_ids, has_thinking_switch
 from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
 from cbserve.serving.replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -58,7 +58,10 @@ def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
         return list(req.prompt_ids)
     if req.prompt is not None:
         return list(tokenizer(req.prompt).input_ids)
-    return chat_token_ids(tokenizer, req.messages or [], req.tools)
+    if req.reasoning_effort is not None and not has_thinking_switch(tokenizer):
+        raise InvalidRequestError("reasoning_effort", "reasoning_effort: this model's chat template has no "
+                                  "thinking switch (enable_thinking)")
+    return chat_token_ids(tokenizer, req.messages or [], req.tools, template_kwargs=req.template_kwargs)
 
 
 def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
