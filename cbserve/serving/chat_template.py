@@ -86,6 +86,11 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def has_think_tags(tokenizer: Any) -> bool:
+    """Whether the chat template writes `<think>` blocks (a thinking model: its output is split)."""
+    return "<think>" in _template_source(tokenizer)
+
+
 def has_thinking_switch(tokenizer: Any) -> bool:
     """Whether the chat template reads `enable_thinking` (Qwen3's switch, what reasoning_effort sets)."""
     return "enable_thinking" in _template_source(tokenizer)

@@ -112,6 +112,8 @@ class WorkerEvent(BaseModel):
     # start
     replica: str | None = None
     prompt_tokens: int = 0
+    # How a chat output begins (front/reasoning.py): "tagged" may open <think>, "open" starts in it.
+    reasoning: Literal["off", "tagged", "open"] = "off"
     # delta
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)

@@ -454,10 +454,12 @@ def test_chat_unknown_fields_and_the_ignored_ones(service: OpenAIService) -> Non
 
 
 def test_fields_current_sdks_send_are_accepted(service: OpenAIService) -> None:
-    body = chat(service, messages=[{"role": "user", "content": "x"}], max_tokens=2, store=False, metadata={"run": "a"},
+    body = chat(service, messages=[{"role": "user", "content": "x"}], max_tokens=2, ignore_eos=True, store=False,
+                metadata={"run": "a"},
                 service_tier="auto", prompt_cache_key="conversation-1", user="someone", parallel_tool_calls=False)
     assert body["choices"][0]["finish_reason"] == "length"
-    body = complete(service, prompt="x", max_tokens=2, store=None, service_tier="default", prompt_cache_key="k")
+    body = complete(service, prompt="x", max_tokens=2, ignore_eos=True, store=None, service_tier="default",
+                    prompt_cache_key="k")
     assert body["usage"]["completion_tokens"] == 2
     for extra, param in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
                          ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
@@ -473,7 +475,7 @@ def test_replayed_assistant_turns_are_accepted(service: OpenAIService) -> None:
     turn = {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None,
             "reasoning_content": "the user greets"}
     messages = [{"role": "user", "content": "hello"}, turn, {"role": "user", "content": "and?"}]
-    assert chat(service, messages=messages, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+    assert chat(service, messages=messages, max_tokens=2, ignore_eos=True)["choices"][0]["finish_reason"] == "length"
     req = parse_request(json.dumps({"model": "tiny", "messages": messages}).encode(), ChatCompletionRequest)
     assert template_messages(req.messages)[1] == {"role": "assistant", "content": "hi",
                                                   "reasoning_content": "the user greets"}

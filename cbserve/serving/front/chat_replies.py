@@ -3,13 +3,15 @@
 `ChatRendering` holds what a chat request asked for (logprobs, top logprobs, the tool-choice
 mode); `choice` renders a whole folded choice, `ChatStream` one choice's pieces as they come.
 With tools (`tool_calls.py`), text that makes up a call leaves the content and comes back as
-`tool_calls`, and the choice finishes with `"tool_calls"`.
+`tool_calls`, and the choice finishes with `"tool_calls"`. A thinking model's `<think>` block
+leaves the content first and comes back as `reasoning_content` (`reasoning.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cbserve.serving.front.reasoning import ThinkSplitter, split_reasoning
 from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
 from cbserve.serving.front.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
 from cbserve.serving.front.tool_calls import HermesParser, delta_calls, split_calls
@@ -22,14 +24,17 @@ class ChatRendering:
     tool_mode: str = "none"  # none, auto, required, named (constraints.tool_choice_mode)
 
     def choice(self, index: int, r: ChoiceResult) -> ChatChoice:
-        content, calls = split_calls(r.text, self.tool_mode)
+        reasoning, text = split_reasoning(r.text, r.reasoning)
+        content, calls = split_calls(text, self.tool_mode)
         finish = "tool_calls" if calls and r.finish_reason != "length" else r.finish_reason  # cut short: said
         lp = chat_logprobs(r, self.top_logprobs) if self.logprobs else None
-        message = AssistantMessage(content=content, tool_calls=calls or None)
+        message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
         return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
 
-    def stream(self, index: int) -> ChatStream:
-        return ChatStream(self, index)
+    def stream(self, index: int, reasoning: str = "off") -> ChatStream:
+        """One choice's chunks; `reasoning`: its start event's (how a thinking model's output begins)."""
+        splitter = None if reasoning == "off" else ThinkSplitter(inside=reasoning == "open")
+        return ChatStream(self, index, splitter)
 
 
 @dataclass
@@ -38,27 +43,33 @@ class ChatStream:
 
     rendering: ChatRendering
     index: int
+    splitter: ThinkSplitter | None = None  # a thinking model's: reasoning out of the text first
     _parser: HermesParser = field(default_factory=HermesParser)
     _forced: str = ""  # named / required: the constrained JSON, parsed at the end
     _calls: int = 0
 
     def chunks(self, p: Piece) -> list[ChatChunkChoice]:
-        mode = self.rendering.tool_mode
         if p.finish_reason is not None:
             return self._finish(p)
-        if mode in ("named", "required"):
-            self._forced += p.text
-            text, calls = "", []
-        elif mode == "auto":
-            text, calls = self._parser.feed(p.text)
-        else:
-            text, calls = p.text, []
-        return self._delta(p, text, calls)
+        reasoning, text = self.splitter.feed(p.text) if self.splitter is not None else ("", p.text)
+        return self._delta(p, *self._content(text), reasoning)
 
-    def _delta(self, p: Piece, text: str, calls: list) -> list[ChatChunkChoice]:
+    def _content(self, text: str) -> tuple[str, list]:
+        """The content to show now and the calls completed (tools take their text out)."""
+        mode = self.rendering.tool_mode
+        if mode in ("named", "required"):
+            self._forced += text
+            return "", []
+        if mode == "auto":
+            return self._parser.feed(text)
+        return text, []
+
+    def _delta(self, p: Piece, text: str, calls: list, reasoning: str = "") -> list[ChatChunkChoice]:
         out = []
         show_lp = self.rendering.logprobs and bool(p.token_ids)
-        if text or show_lp:
+        if reasoning:
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(reasoning_content=reasoning)))
+        if text or (show_lp and not reasoning):
             lp = chat_logprobs(p, self.rendering.top_logprobs) if show_lp else None
             out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=text), logprobs=lp))
         if calls:
@@ -68,14 +79,15 @@ class ChatStream:
 
     def _finish(self, p: Piece) -> list[ChatChunkChoice]:
         mode = self.rendering.tool_mode
+        reasoning, held = self.splitter.flush() if self.splitter is not None else ("", "")
+        text, calls = self._content(held)  # what the splitter held back, through the tools' parsing
         if mode in ("named", "required"):
             content, calls = split_calls(self._forced, mode)
             text = content or ""
         elif mode == "auto":
-            text, calls = self._parser.flush()
-        else:
-            text, calls = "", []
-        out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls)
+            rest, more = self._parser.flush()
+            text, calls = text + rest, calls + more
+        out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls, reasoning)
         finish = "tool_calls" if self._calls and p.finish_reason != "length" else p.finish_reason
         out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), finish_reason=finish))  # type: ignore[arg-type]
         return out

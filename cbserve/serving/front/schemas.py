@@ -369,19 +369,22 @@ class ChatLogprobs(BaseModel):
 
 
 class _OmitsNoCalls(BaseModel):
-    """`tool_calls` only when there are calls (as OpenAI sends it)."""
+    """`tool_calls` only when there are calls (as OpenAI sends it), `reasoning_content` only from
+    a thinking model (vLLM's field)."""
 
     @model_serializer(mode="wrap")
     def _omit_no_calls(self, handler: Any) -> Any:
         data = handler(self)
-        if isinstance(data, dict) and data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning_content"):
+            if isinstance(data, dict) and data.get(name) is None:
+                data.pop(name, None)
         return data
 
 
 class AssistantMessage(_OmitsNoCalls):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -417,6 +420,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(_OmitsNoCalls):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
 from cbserve.outputs import GenerationOutput
 from cbserve.serving.api_errors import error_event
-from cbserve.serving.chat_template import chat_token_ids, has_thinking_switch
+from cbserve.serving.chat_template import chat_token_ids, has_think_tags, has_thinking_switch
 from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
 from cbserve.serving.replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -62,6 +62,16 @@ def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
         raise InvalidRequestError("reasoning_effort", "reasoning_effort: this model's chat template has no "
                                   "thinking switch (enable_thinking)")
     return chat_token_ids(tokenizer, req.messages or [], req.tools, template_kwargs=req.template_kwargs)
+
+
+def reasoning_mode(tokenizer: Any, req: WorkerRequest, prompt_ids: list[int]) -> str:
+    """How a chat's output begins for a thinking model's template (`front/reasoning.py`): "open"
+    when the rendered prompt ends inside a `<think>` block, "tagged" when the output may open one,
+    "off" for a template without one, a completion, or a constrained output (pure JSON)."""
+    if req.messages is None or req.constraint is not None or not has_think_tags(tokenizer):
+        return "off"
+    tail = tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+    return "open" if tail.rfind("<think>") > tail.rfind("</think>") else "tagged"
 
 
 def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
@@ -272,7 +282,8 @@ async def run_request(
         logger.warning("a request was refused by the manager: %s", exc)
         yield error_event(503, "this worker is not accepting requests (draining or being replaced); retry")
         return
-    yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids))
+    yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids),
+                      reasoning=reasoning_mode(tokenizer, req, prompt_ids))
     async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids), interval_s):
         yield ev
 
