@@ -86,6 +86,21 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def tool_format(tokenizer: Any, tools: list[dict[str, Any]] | None) -> str:
+    """How the model writes tool calls, read off its chat template (`front/tool_formats.py`):
+    Hermes' `<tool_call>` unless the template renders the tools itself in another format."""
+    source = _template_source(tokenizer) if tools else ""
+    if "tools" not in source or "<tool_call>" in source:  # no tools, or ours: the Hermes prompt
+        return "hermes"
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
+    if "[func_name1(" in source:
+        return "pythonic"
+    if "<|python_tag|>" in source or "respond with a JSON for a function call" in source:
+        return "llama3_json"
+    return "hermes"
+
+
 def has_think_tags(tokenizer: Any) -> bool:
     """Whether the chat template writes `<think>` blocks (a thinking model: its output is split)."""
     return "<think>" in _template_source(tokenizer)

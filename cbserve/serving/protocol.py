@@ -114,6 +114,7 @@ class WorkerEvent(BaseModel):
     prompt_tokens: int = 0
     # How a chat output begins (front/reasoning.py): "tagged" may open <think>, "open" starts in it.
     reasoning: Literal["off", "tagged", "open"] = "off"
+    tool_format: Literal["hermes", "mistral", "llama3_json", "pythonic"] = "hermes"  # how tool calls are written
     # delta
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from cbserve.serving.front.reasoning import ThinkSplitter, split_reasoning
 from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
 from cbserve.serving.front.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
-from cbserve.serving.front.tool_calls import HermesParser, delta_calls, split_calls
+from cbserve.serving.front.tool_calls import HermesParser, auto_parser, delta_calls, split_calls
+from cbserve.serving.front.tool_formats import WholeOutputParser
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,17 @@ class ChatRendering:
 
     def choice(self, index: int, r: ChoiceResult) -> ChatChoice:
         reasoning, text = split_reasoning(r.text, r.reasoning)
-        content, calls = split_calls(text, self.tool_mode)
+        content, calls = split_calls(text, self.tool_mode, r.tool_format)
         finish = "tool_calls" if calls and r.finish_reason != "length" else r.finish_reason  # cut short: said
         lp = chat_logprobs(r, self.top_logprobs) if self.logprobs else None
         message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
         return ChatChoice(index=index, message=message, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
 
-    def stream(self, index: int, reasoning: str = "off") -> ChatStream:
-        """One choice's chunks; `reasoning`: its start event's (how a thinking model's output begins)."""
+    def stream(self, index: int, reasoning: str = "off", tool_format: str = "hermes") -> ChatStream:
+        """One choice's chunks; `reasoning`, `tool_format`: its start event's (how a thinking
+        model's output begins, how the model writes tool calls)."""
         splitter = None if reasoning == "off" else ThinkSplitter(inside=reasoning == "open")
-        return ChatStream(self, index, splitter)
+        return ChatStream(self, index, splitter, auto_parser(tool_format))
 
 
 @dataclass
@@ -44,7 +46,7 @@ class ChatStream:
     rendering: ChatRendering
     index: int
     splitter: ThinkSplitter | None = None  # a thinking model's: reasoning out of the text first
-    _parser: HermesParser = field(default_factory=HermesParser)
+    _parser: HermesParser | WholeOutputParser = field(default_factory=HermesParser)
     _forced: str = ""  # named / required: the constrained JSON, parsed at the end
     _calls: int = 0
 

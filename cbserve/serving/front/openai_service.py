@@ -364,7 +364,7 @@ class OpenAIService:
 
             roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(streams))]  # the role first, at once
-            per_choice = [rendering.stream(i, s.start.reasoning) for i, s in enumerate(streams)]
+            per_choice = [rendering.stream(i, s.start.reasoning, s.start.tool_format) for i, s in enumerate(streams)]
             return Reply(replicas, stream=self._sse_stream(
                 streams, arrival, "messages", chunk, lambda i, p: per_choice[i].chunks(p), roles, prompt_tokens,
                 req.stream_options))

@@ -60,6 +60,7 @@ class ChoiceResult(Piece):
     replica: str = ""
     prompt_tokens: int = 0
     reasoning: str = "off"  # the start event's: how a thinking model's output begins
+    tool_format: str = "hermes"  # the start event's: how the model writes tool calls
     error: WorkerEvent | None = None  # an `error` event; an abort or a cut stream becomes one too
     timer: Any = field(default=None, repr=False, compare=False)  # a metrics.ChoiceTimer
 
@@ -71,6 +72,7 @@ class ChoiceResult(Piece):
         """Fold one event in; returns what it adds to the reply (None for `start` and errors)."""
         if ev.kind == "start":
             self.replica, self.prompt_tokens, self.reasoning = ev.replica or "", ev.prompt_tokens, ev.reasoning
+            self.tool_format = ev.tool_format
             return None
         if ev.kind == "delta":
             piece = Piece(text=ev.text, token_ids=list(ev.token_ids), logprobs=list(ev.logprobs or []),

@@ -3,6 +3,7 @@
 - `tool_choice: "auto"`: the model's Hermes-style calls, `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` (what Qwen, Hermes, SmolLM3 and most open chat templates teach), are cut
   out of the text as it streams (`HermesParser`); what is not a well-formed call stays content.
+- other models' formats (Mistral, Llama 3 JSON, pythonic): `tool_formats.py`.
 - `"required"` and a named function: the output was constrained to the calls' JSON (a list of
   calls, or one call: `constraints.tool_constraint`), parsed when it ends (`forced_calls`).
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbserve.serving.front.schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from cbserve.serving.front.tool_formats import WholeOutputParser
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -120,14 +122,20 @@ class HermesParser:
         return ""
 
 
-def split_calls(text: str, mode: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole output as (content, tool calls); content None when only calls were made."""
+def auto_parser(fmt: str = "hermes") -> HermesParser | WholeOutputParser:
+    """The streaming parser of `tool_choice: "auto"` for the model's tool-call format."""
+    return HermesParser() if fmt == "hermes" else WholeOutputParser(fmt, _call)
+
+
+def split_calls(text: str, mode: str, fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+    """A whole output as (content, tool calls); content None when only calls were made. `fmt`:
+    the model's tool-call format (auto mode; `tool_formats.py`)."""
     if mode in ("named", "required"):
         calls = forced_calls(text, mode)
         return (None, calls) if calls else (text, [])
     if mode != "auto":
         return text, []
-    parser = HermesParser()
+    parser = auto_parser(fmt)
     content, _ = parser.feed(text)
     rest, _ = parser.flush()
     content += rest

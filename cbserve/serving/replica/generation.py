@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from cbserve.errors import EngineFault, InvalidRequestError, QueueFullError, RequestFault
 from cbserve.outputs import GenerationOutput
 from cbserve.serving.api_errors import error_event
-from cbserve.serving.chat_template import chat_token_ids, has_think_tags, has_thinking_switch
+from cbserve.serving.chat_template import chat_token_ids, has_think_tags, has_thinking_switch, tool_format
 from cbserve.serving.protocol import PromptInfo, TopEntry, WorkerEvent, WorkerRequest
 from cbserve.serving.replica.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -283,7 +283,7 @@ async def run_request(
         yield error_event(503, "this worker is not accepting requests (draining or being replaced); retry")
         return
     yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids),
-                      reasoning=reasoning_mode(tokenizer, req, prompt_ids))
+                      reasoning=reasoning_mode(tokenizer, req, prompt_ids), tool_format=tool_format(tokenizer, req.tools))
     async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids), interval_s):
         yield ev
 

@@ -1,0 +1,95 @@
+"""Tool calls in the formats other than Hermes' (issue 31): Mistral's [TOOL_CALLS], Llama 3's JSON,
+pythonic lists; the format read off the chat template; whole and streamed alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cbserve.serving.chat_template import tool_format
+from cbserve.serving.front.chat_replies import ChatRendering
+from cbserve.serving.front.replies import ChoiceResult, Piece
+from cbserve.serving.front.tool_calls import auto_parser, split_calls
+
+TIME = {"name": "get_time", "arguments": {"zone": "utc"}}
+WEATHER = {"name": "get_weather", "arguments": {"city": "paris", "days": 2}}
+CASES = [  # (format, output, content, calls)
+    ("mistral", "Sure.[TOOL_CALLS]" + json.dumps([TIME, WEATHER]), "Sure.", [TIME, WEATHER]),
+    ("mistral", "[TOOL_CALLS]" + json.dumps([TIME]), None, [TIME]),
+    ("mistral", "No call here [TOOL", "No call here [TOOL", []),
+    ("mistral", "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}', None, [TIME]),
+    ("llama3_json", json.dumps(TIME) + "; " + json.dumps(WEATHER), None, [TIME, WEATHER]),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("llama3_json", "The time is noon.", "The time is noon.", []),
+    ("pythonic", '[get_time(zone="utc"), get_weather(city="paris", days=2)]', None, [TIME, WEATHER]),
+    ("pythonic", "[1, 2]", "[1, 2]", []),
+    ("pythonic", "[get_time(utc)]", "[get_time(utc)]", []),  # positional: not a call
+    ("pythonic", "It is noon.", "It is noon.", []),
+]
+
+
+def _as_dicts(calls: list) -> list[dict]:
+    return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in calls]
+
+
+@pytest.mark.parametrize(("fmt", "output", "content", "calls"), CASES)
+def test_whole_and_streamed_outputs_give_the_same_calls(fmt: str, output: str, content: str | None,
+                                                        calls: list[dict]) -> None:
+    got_content, got_calls = split_calls(output, "auto", fmt)
+    assert (got_content, _as_dicts(got_calls)) == (content if calls else output, calls)
+    for size in (1, 4):
+        parser, text, streamed = auto_parser(fmt), "", []
+        for i in range(0, len(output), size):
+            t, c = parser.feed(output[i : i + size])
+            text, streamed = text + t, streamed + c
+        t, c = parser.flush()
+        if calls:
+            assert _as_dicts(streamed + c) == calls and (text + t).strip() == (content or ""), size
+        else:
+            assert text + t == output and not streamed + c, size
+
+
+def test_content_that_is_no_call_streams_at_once() -> None:
+    for fmt in ("llama3_json", "pythonic", "mistral"):
+        parser = auto_parser(fmt)
+        assert parser.feed("Hello") == ("Hello", [])  # not held to the end
+        assert parser.feed(", world") == (", world", [])
+    assert auto_parser("pythonic").feed("[get_") == ("", [])  # may be a call: held
+
+
+def test_the_rendering_takes_the_choice_format() -> None:
+    output = '[get_time(zone="utc")]'
+    choice = ChatRendering(tool_mode="auto").choice(
+        0, ChoiceResult(text=output, finish_reason="stop", tool_format="pythonic")).model_dump()
+    assert choice["finish_reason"] == "tool_calls" and _as_dicts_raw(choice["message"]["tool_calls"]) == [TIME]
+    stream = ChatRendering(tool_mode="auto").stream(0, tool_format="pythonic")
+    chunks = [c.model_dump() for ch in output for c in stream.chunks(Piece(text=ch, token_ids=[1]))]
+    chunks += [c.model_dump() for c in stream.chunks(Piece(finish_reason="stop"))]
+    assert not any(c["delta"].get("content") for c in chunks)
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    hermes = ChatRendering(tool_mode="auto").choice(0, ChoiceResult(text=output, finish_reason="stop")).model_dump()
+    assert hermes["message"]["content"] == output  # the same text is no Hermes call
+
+
+def _as_dicts_raw(calls: list[dict]) -> list[dict]:
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls]
+
+
+class Tok:
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+
+
+@pytest.mark.parametrize(("template", "fmt"), [
+    ("{{ tools }}<tool_call>", "hermes"),
+    ("{{ tools }}[AVAILABLE_TOOLS][TOOL_CALLS]", "mistral"),
+    ("{{ tools }}[func_name1(params_name1=params_value1)]", "pythonic"),
+    ("{{ tools }}<|python_tag|>", "llama3_json"),
+    ("{{ tools }}Given the following functions, please respond with a JSON for a function call", "llama3_json"),
+    ("{{ messages }}", "hermes"),  # no tools in the template: cbserve's Hermes prompt teaches them
+])
+def test_the_format_is_read_off_the_template(template: str, fmt: str) -> None:
+    assert tool_format(Tok(template), [{"type": "function", "function": {"name": "f"}}]) == fmt
+    assert tool_format(Tok(template), None) == "hermes"
