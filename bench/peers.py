@@ -612,7 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     info = load.machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['load']}; model folder {folder}; "
           f"vLLM {version or 'missing'}; logs in {logs}", flush=True)
-    vllm_env, tuning = ({}, {}) if missing else choose_vllm_env(args, folder, logs)
+    runs_vllm = any(mode in args.mode and PEER in engines  # tune only for a run that uses vLLM
+                    for mode, engines in (("offline", offline_engines), ("served", served_engines)))
+    vllm_env, tuning = choose_vllm_env(args, folder, logs) if runs_vllm else ({}, {})
     report: dict[str, Any] = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                               "vllm": {"version": version, "missing": missing, "settings": tuning}}
     if "offline" in args.mode:
@@ -623,9 +625,9 @@ def main(argv: list[str] | None = None) -> int:
         results = run_served(args, served_engines, folder, vllm_env, logs)
         report["served"], report["startup"] = served_summary(results), startup_summary(results)
         report["served_rounds"] = results
-    print_report(report)
     path = args.json or RESULTS / f"peers-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    path.write_text(json.dumps(report, indent=2, default=str))
+    path.write_text(json.dumps(report, indent=2, default=str))  # first: a report that fails to print is kept
+    print_report(report)
     print(f"wrote {path}")
     return 0
 
@@ -635,6 +637,8 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     if vllm["missing"]:
         print(f"vLLM: skipped ({vllm['missing']})")
+    elif not vllm["settings"]:
+        print("vLLM: not among the engines run")
     else:
         print(f"vLLM {vllm['version']}, settings {vllm['settings']['chosen']}: {vllm['settings']['env']}")
         probes = vllm["settings"].get("probe_tokens_per_s")

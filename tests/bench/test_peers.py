@@ -132,6 +132,12 @@ def test_missing_peer_is_skipped_saying_so(tmp_path: Path, capsys: pytest.Captur
     assert peers.plan_engines(args, None) == (["cbserve", "vllm", "cbserve_sized"], ["cbserve", "vllm"])
 
 
+def test_a_report_without_a_vllm_run_prints(capsys: pytest.CaptureFixture) -> None:
+    """cbserve against its sized engine alone: vLLM installed but not run (no tuning, no settings)."""
+    peers.print_report({"vllm": {"version": "0.32.0", "missing": None, "settings": {}}})
+    assert "vLLM: not among the engines run" in capsys.readouterr().out
+
+
 def test_a_python_without_vllm_is_a_missing_peer() -> None:
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is importable here")
