@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cbserve.serving.front.stream_tags import partial_tail
+
 START, END = "<think>", "</think>"
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -49,7 +43,7 @@ class ThinkSplitter:
         if self.inside:
             at = self._buf.find(END)
             if at < 0:
-                keep = _partial_tail(self._buf, END)
+                keep = partial_tail(self._buf, END)
                 reasoning, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                 return reasoning, ""
             reasoning, self._buf = self._buf[:at], self._buf[at + len(END):]

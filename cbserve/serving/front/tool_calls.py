@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbserve.serving.front.schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from cbserve.serving.front.stream_tags import partial_tail
 from cbserve.serving.front.tool_formats import WholeOutputParser
 
 START, END = "<tool_call>", "</tool_call>"
@@ -68,14 +69,6 @@ def complete_items(text: str) -> list[Any]:
         items.append(item)
 
 
-def _held(text: str) -> int:
-    """How many trailing characters of `text` could begin a `<tool_call>` tag."""
-    for n in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class HermesParser:
     """Cuts `<tool_call>...</tool_call>` blocks out of streamed text."""
@@ -92,7 +85,7 @@ class HermesParser:
             if not self._in_call:
                 at = self._buf.find(START)
                 if at < 0:
-                    keep = _held(self._buf)
+                    keep = partial_tail(self._buf, START)
                     content += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     break

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbserve.serving.front.schemas import ToolCall
+from cbserve.serving.front.stream_tags import partial_tail
 
 MISTRAL_TAG, PYTHON_TAG = "[TOOL_CALLS]", "<|python_tag|>"
 
@@ -79,8 +80,7 @@ def may_be_call(fmt: str, text: str) -> int:
         at = text.find(MISTRAL_TAG)
         if at >= 0:
             return at
-        tail = next((n for n in range(min(len(MISTRAL_TAG) - 1, len(text)), 0, -1)
-                     if MISTRAL_TAG.startswith(text[-n:])), 0)
+        tail = partial_tail(text, MISTRAL_TAG)
         return len(text) - tail if tail else -1
     head = text.lstrip()
     if not head:
