@@ -65,6 +65,12 @@ def test_a_choice_renders_reasoning_content_whole_and_streamed() -> None:
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == "check the clock"
         assert sum(len(d.get("tool_calls") or []) for d in deltas) == calls
         assert "<think>" not in "".join(d.get("content") or "" for d in deltas)
+    # Asked-for logprobs come for every token, reasoning ones included (on the piece's first chunk).
+    stream, sent = ChatRendering(logprobs=True).stream(0, "tagged"), []
+    for ch in output:
+        for c in stream.chunks(Piece(text=ch, token_ids=[1], logprobs=[-0.5], token_texts=[ch])):
+            sent += [t["token"] for t in ((c.model_dump().get("logprobs") or {}).get("content") or [])]
+    assert "".join(sent) == output
     plain = ChatRendering().choice(0, ChoiceResult(text="hi", finish_reason="stop")).model_dump()
     assert "reasoning_content" not in plain["message"]  # other models: the field is left out
 

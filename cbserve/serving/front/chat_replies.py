@@ -68,11 +68,11 @@ class ChatStream:
 
     def _delta(self, p: Piece, text: str, calls: list, reasoning: str = "") -> list[ChatChunkChoice]:
         out = []
-        show_lp = self.rendering.logprobs and bool(p.token_ids)
-        if reasoning:
-            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(reasoning_content=reasoning)))
-        if text or (show_lp and not reasoning):
-            lp = chat_logprobs(p, self.rendering.top_logprobs) if show_lp else None
+        lp = chat_logprobs(p, self.rendering.top_logprobs) if self.rendering.logprobs and p.token_ids else None
+        if reasoning:  # the piece's logprobs ride on its first chunk
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(reasoning_content=reasoning), logprobs=lp))
+            lp = None
+        if text or lp is not None:
             out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=text), logprobs=lp))
         if calls:
             out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(tool_calls=delta_calls(calls, self._calls))))
