@@ -131,13 +131,16 @@ def test_excess_requests_are_refused_fast_and_accepted_ones_complete(cluster: di
     held_expected = _text(_post(cluster, _completion(HOLD_PROMPT, 450))[2], False)
     assert held_expected[1] == "length", "the hold prompt must not stop early for this test to hold its slot"
 
+    # The requests above have left the worker (Serve counts a slot free when they have).
+    _wait_idle(cluster)
     # Two long streams take the replica's two slots ...
     held = [_HeldStream(cluster, 450) for _ in range(MAX_ONGOING)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         # ... two more wait in the ingress's queue for the worker ...
         queued = [pool.submit(_post, cluster, _completion(p, 8)) for p in expected]
         time.sleep(1.0)
-        assert not any(f.done() for f in queued), "a queued request was answered while both slots were busy"
+        answered = [f.result()[:3] for f in queued if f.done()]
+        assert not answered, f"a queued request was answered while both slots were busy: {answered}"
         # ... and everything beyond is refused at once, on HTTP and on gRPC.
         burst = [pool.submit(_post, cluster, _completion("the sea", 8, stream=i % 2 == 1)) for i in range(8)]
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(f"127.0.0.1:{cluster['grpc']}"))
