@@ -89,6 +89,11 @@ class ContinuousBatchingConfig(BaseModel):
         None, description="linear weights packed once for oneDNN on a CPU (a second copy while the engine "
         "runs; faster GEMMs); None: on for float32 CPU models without torch.compile"
     )
+    quantization: Literal["none", "auto"] = Field(
+        "none", description="auto: a model loaded from a GGUF file (cbserve.load_model) runs its Q8_0 / Q4_0 / "
+        "Q4_1 linear layers and embedding on the file's own blocks (kernels/quantized.py; replaced in the model, "
+        "in place), other tensors stay dense; none: dense weights as loaded"
+    )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
     max_queue_size: int = Field(
@@ -177,6 +182,9 @@ class ContinuousBatchingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _device_only_features(self) -> ContinuousBatchingConfig:
+        if self.quantization != "none" and self.tp_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} works with tp_size=1 only (quantized weights are "
+                             "not sharded yet)")
         if self.use_async_batching and self.tp_size > 1:
             raise ValueError("use_async_batching=True works with tp_size=1 only (the ranks get host inputs)")
         if not torch.cuda.is_available():

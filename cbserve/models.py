@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from cbserve.kernels.cpu_isa import resolve_dtype
+from cbserve.kernels.quantized import GGUF_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,10 @@ def load_model(
     if gguf is not None:
         name, gguf_path = gguf
         folder = _cached_gguf_folder(name, gguf_path)
-        return _load_pretrained(str(folder), dtype)
+        model, tokenizer = _load_pretrained(str(folder), dtype)
+        # quantization='auto' reads the file's own blocks from here (kernels/quantized.py).
+        setattr(model, GGUF_SOURCE, str(gguf_path))
+        return model, tokenizer
     return _load_pretrained(str(name_or_path), dtype)
 
 

@@ -61,6 +61,8 @@ def build_engine(
 
 def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, workload: Workload,
                 parallel: TensorParallelLeader | None = None) -> EngineParts:
+    if config.quantization == "auto":
+        quantize_model(model, config.batch_invariant)
     shape = ModelShape.from_model(model)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
@@ -96,6 +98,22 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     )
     return EngineParts(shape, sizes, cache, block_manager, host_pool, node_pool, scheduler, attention_backend,
                        runner, Sampler(shape.vocab_size, config.seed), pack_weights, packed_linears)
+
+
+def quantize_model(model: torch.nn.Module, batch_invariant: bool | None) -> None:
+    """quantization='auto': the GGUF file's own blocks in place of the model's dense layers."""
+    from cbserve.kernels import quantized
+
+    gguf = getattr(model, quantized.GGUF_SOURCE, None)
+    if gguf is None:
+        if any(isinstance(m, quantized.QuantizedLinear) for m in model.modules()):
+            return  # quantized by an earlier engine on this model
+        raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
+                         f"(this {type(model).__name__} has no GGUF source)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("quantization='auto' runs on CPUs only (the quantized kernels are C++ for x86-64)")
+    quantized.quantize_from_gguf(model, gguf, bool(batch_invariant))
+    delattr(model, quantized.GGUF_SOURCE)
 
 
 def build_runner(model: torch.nn.Module, config: ContinuousBatchingConfig, cache: PagedKVCache,

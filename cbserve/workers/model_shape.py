@@ -9,7 +9,7 @@ import torch
 
 def _vocab_size(head: torch.nn.Module) -> int:
     # A tensor-parallel head split by vocabulary rows states the whole vocabulary.
-    return getattr(head, "vocab_size", None) or head.weight.shape[0]
+    return getattr(head, "vocab_size", None) or getattr(head, "out_features", None) or head.weight.shape[0]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ def model_fingerprint(model: torch.nn.Module, cache: PagedKVCache) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(repr(sorted((k, repr(v)) for k, v in cfg.items() if not k.startswith("_"))).encode())
     h.update(repr((str(cache.dtype), cache.page_size, cache.num_layers, cache.num_kv_heads, cache.head_dim)).encode())
-    for t in (model.get_input_embeddings().weight[:4], next(iter(reversed(list(model.parameters())))).reshape(-1)[:64]):
+    embedding = model.get_input_embeddings()
+    first_rows = embedding.weight[:4] if hasattr(embedding, "weight") else embedding(torch.arange(4))  # quantized
+    for t in (first_rows, next(iter(reversed(list(model.parameters())))).reshape(-1)[:64]):
         h.update(t.detach().to("cpu", torch.float64).numpy().tobytes())
     return to_signed(int.from_bytes(h.digest(), "little"))
 

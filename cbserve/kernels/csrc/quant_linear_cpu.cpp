@@ -1,0 +1,354 @@
+// Linear layers on block-quantized weights, read as GGUF stores them (no dequantized copy kept):
+// each output row of the weight is K / 32 blocks of 32 values along the input dimension,
+//
+//   q8_0 (34 bytes): float16 d, int8 q[32]            w[j] = q[j] * d
+//   q4_0 (18 bytes): float16 d, uint8 nibbles[16]     w[j] = (nib[j] - 8) * d
+//   q4_1 (20 bytes): float16 d, float16 m, nibbles[16] w[j] = nib[j] * d + m
+//
+// where nib[j] is the low nibble of byte j for j < 16 and the high nibble of byte j - 16 above
+// (llama.cpp's layout). A block is dequantized to float32 in registers (the product and the sum
+// rounded separately, as gguf-py and transformers dequantize) and multiplied into float32
+// accumulators. Paths by instruction set, chosen at run time: "avx512", "avx2", "generic".
+//
+// Reduction order: every output element sums its blocks in order (per vector lane, then the lanes
+// once at the end); nothing depends on the number of rows or the thread split, so a row's result
+// is the same in any batch (batch invariance).
+//
+// Work split: threads take ranges of output features; a range's weight rows stream from memory once
+// per call while the call's input rows stay in cache (decode: bound by the weights' bytes, which
+// are 4-7x fewer than bfloat16's).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define CB_X86 1
+#define CB_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#else
+#define CB_X86 0
+#endif
+
+namespace {
+
+enum class Fmt { q8_0, q4_0, q4_1 };
+
+Fmt parse_format(const std::string& name) {
+  if (name == "q8_0") return Fmt::q8_0;
+  if (name == "q4_0") return Fmt::q4_0;
+  if (name == "q4_1") return Fmt::q4_1;
+  TORCH_CHECK(false, "cbserve_cpu quant_linear: unknown format '", name, "' (q8_0, q4_0, q4_1)");
+}
+
+constexpr int64_t block_bytes(Fmt f) { return f == Fmt::q8_0 ? 34 : f == Fmt::q4_0 ? 18 : 20; }
+
+// An opaque copy: keeps the compiler from fusing a product with the sum that follows (the
+// reference rounds both).
+#if CB_X86
+#define CB_OPAQUE(v) asm("" : "+v"(v))
+#else
+#define CB_OPAQUE(v) (void)(v = *static_cast<volatile decltype(v)*>(&v))
+#endif
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// One block's 32 values in float32, as the reference dequantizes them.
+inline void dequant_block(Fmt f, const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  if (f == Fmt::q8_0) {
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+    return;
+  }
+  const uint8_t* qs = b + (f == Fmt::q4_1 ? 4 : 2);
+  const float m = f == Fmt::q4_1 ? half_at(b + 2) : 0.f;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+    if (f == Fmt::q4_0) {
+      w[j] = static_cast<float>(lo - 8) * d;
+      w[j + 16] = static_cast<float>(hi - 8) * d;
+    } else {
+      float a = static_cast<float>(lo) * d, c = static_cast<float>(hi) * d;
+      CB_OPAQUE(a);
+      CB_OPAQUE(c);
+      w[j] = a + m;
+      w[j + 16] = c + m;
+    }
+  }
+}
+
+struct Args {
+  const float* x;  // [M, K]
+  const uint8_t* w;  // [N, K / 32 * block_bytes]
+  const float* bias;  // [N] or null
+  float* y;  // [M, N]
+  int64_t m, n, k;
+};
+
+// ------------------------------------------------------------------------------------- generic
+
+void rows_generic(Fmt f, const Args& a, int64_t n0, int64_t n1) {
+  const int64_t nb = a.k / 32, row_bytes = nb * block_bytes(f);
+  float w[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t r = 0; r < a.m; ++r) {
+      float lanes[16] = {};
+      const float* x = a.x + r * a.k;
+      for (int64_t b = 0; b < nb; ++b) {
+        dequant_block(f, a.w + n * row_bytes + b * block_bytes(f), w);
+        for (int j = 0; j < 16; ++j) lanes[j] += w[j] * x[b * 32 + j];
+        for (int j = 0; j < 16; ++j) lanes[j] += w[j + 16] * x[b * 32 + 16 + j];
+      }
+      float s = 0.f;
+      for (int j = 0; j < 16; ++j) s += lanes[j];
+      a.y[r * a.n + n] = s + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+
+#if CB_X86
+// ------------------------------------------------------------------------------------- AVX-512
+
+template <Fmt F>
+CB_AVX512 inline void dequant512(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+  if constexpr (F == Fmt::q8_0) {
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == Fmt::q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+    __m512 h = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    if constexpr (F == Fmt::q4_0) {
+      const __m512 eight = _mm512_set1_ps(8.f);
+      lo = _mm512_mul_ps(_mm512_sub_ps(l, eight), d);
+      hi = _mm512_mul_ps(_mm512_sub_ps(h, eight), d);
+    } else {
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2)));
+      l = _mm512_mul_ps(l, d);
+      h = _mm512_mul_ps(h, d);
+      CB_OPAQUE(l);
+      CB_OPAQUE(h);
+      lo = _mm512_add_ps(l, m);
+      hi = _mm512_add_ps(h, m);
+    }
+  }
+}
+
+// R input rows against one weight row: y[r * ldy] = x_r . w (+ bias).
+template <Fmt F, int R>
+CB_AVX512 inline void tile512(const float* x, int64_t k, const uint8_t* w, float* y, int64_t ldy, float bias) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / 32; ++b) {
+    __m512 lo, hi;
+    dequant512<F>(w + b * block_bytes(F), lo, hi);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * k + b * 32), acc[r]);
+      acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * k + b * 32 + 16), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + bias;
+}
+
+template <Fmt F>
+CB_AVX512 __attribute__((flatten)) void rows_avx512(const Args& a, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = a.k / 32 * block_bytes(F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = a.w + n * row_bytes;
+    const float bias = a.bias ? a.bias[n] : 0.f;
+    int64_t r = 0;
+    for (; r + 8 <= a.m; r += 8) tile512<F, 8>(a.x + r * a.k, a.k, w, a.y + r * a.n + n, a.n, bias);
+    const float* x = a.x + r * a.k;
+    float* y = a.y + r * a.n + n;
+    switch (a.m - r) {
+      case 7: tile512<F, 7>(x, a.k, w, y, a.n, bias); break;
+      case 6: tile512<F, 6>(x, a.k, w, y, a.n, bias); break;
+      case 5: tile512<F, 5>(x, a.k, w, y, a.n, bias); break;
+      case 4: tile512<F, 4>(x, a.k, w, y, a.n, bias); break;
+      case 3: tile512<F, 3>(x, a.k, w, y, a.n, bias); break;
+      case 2: tile512<F, 2>(x, a.k, w, y, a.n, bias); break;
+      case 1: tile512<F, 1>(x, a.k, w, y, a.n, bias); break;
+      default: break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------- AVX2
+
+// Values [8 * part, + 8) of a block.
+template <Fmt F>
+CB_AVX2 inline __m256 dequant256(const uint8_t* b, int part) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b)));
+  if constexpr (F == Fmt::q8_0) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * part)))), d);
+  } else {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (F == Fmt::q4_1 ? 4 : 2) + 8 * (part % 2)));
+    const __m128i nib = part < 2 ? _mm_and_si128(q, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+    if constexpr (F == Fmt::q4_0) return _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(8.f)), d);
+    v = _mm256_mul_ps(v, d);
+    CB_OPAQUE(v);
+    return _mm256_add_ps(v, _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(b + 2))));
+  }
+}
+
+template <Fmt F, int R>
+CB_AVX2 inline void tile256(const float* x, int64_t k, const uint8_t* w, float* y, int64_t ldy, float bias) {
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / 32; ++b) {
+#pragma GCC unroll 4
+    for (int part = 0; part < 4; ++part) {
+      const __m256 wv = dequant256<F>(w + b * block_bytes(F), part);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + b * 32 + 8 * part), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[r * ldy] = _mm_cvtss_f32(s) + bias;
+  }
+}
+
+template <Fmt F>
+CB_AVX2 __attribute__((flatten)) void rows_avx2(const Args& a, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = a.k / 32 * block_bytes(F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = a.w + n * row_bytes;
+    const float bias = a.bias ? a.bias[n] : 0.f;
+    int64_t r = 0;
+    for (; r + 4 <= a.m; r += 4) tile256<F, 4>(a.x + r * a.k, a.k, w, a.y + r * a.n + n, a.n, bias);
+    const float* x = a.x + r * a.k;
+    float* y = a.y + r * a.n + n;
+    switch (a.m - r) {
+      case 3: tile256<F, 3>(x, a.k, w, y, a.n, bias); break;
+      case 2: tile256<F, 2>(x, a.k, w, y, a.n, bias); break;
+      case 1: tile256<F, 1>(x, a.k, w, y, a.n, bias); break;
+      default: break;
+    }
+  }
+}
+
+template <Fmt F>
+CB_AVX512 __attribute__((flatten)) void dequant_rows_avx512(const uint8_t* src, float* dst, int64_t b0, int64_t b1) {
+  for (int64_t i = b0; i < b1; ++i) {
+    __m512 lo, hi;
+    dequant512<F>(src + i * block_bytes(F), lo, hi);
+    _mm512_storeu_ps(dst + i * 32, lo);
+    _mm512_storeu_ps(dst + i * 32 + 16, hi);
+  }
+}
+#endif  // CB_X86
+
+bool cpu_has(const std::string& isa) {
+  if (isa == "generic") return true;
+#if CB_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == "avx2") return avx2;
+  if (isa == "avx512")
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+  TORCH_CHECK(isa == "avx2" || isa == "avx512", "cbserve_cpu quant_linear: unknown isa '", isa,
+              "' (generic, avx2, avx512)");
+  return false;
+}
+
+using RowsFn = void (*)(const Args&, int64_t, int64_t);
+
+RowsFn pick(Fmt f, const std::string& isa) {
+#if CB_X86
+  if (isa == "avx512") return f == Fmt::q8_0 ? rows_avx512<Fmt::q8_0> : f == Fmt::q4_0 ? rows_avx512<Fmt::q4_0> : rows_avx512<Fmt::q4_1>;
+  if (isa == "avx2") return f == Fmt::q8_0 ? rows_avx2<Fmt::q8_0> : f == Fmt::q4_0 ? rows_avx2<Fmt::q4_0> : rows_avx2<Fmt::q4_1>;
+#endif
+  return nullptr;
+}
+
+void check_blocks(const at::Tensor& blocks, Fmt f, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.device().is_cpu(),
+              "cbserve_cpu quant_linear: the weight must be a contiguous uint8 CPU tensor [out_features, blocks bytes]");
+  TORCH_CHECK(k % 32 == 0 && blocks.size(1) == k / 32 * block_bytes(f),
+              "cbserve_cpu quant_linear: in_features ", k, " must be a multiple of 32 and match the weight's ",
+              blocks.size(1), " bytes a row");
+}
+
+// y [M, N] (float32) = x [M, K] (float32) . dequant(blocks)^T + bias.
+at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& blocks, const std::string& format,
+                        const std::optional<at::Tensor>& bias, const std::string& isa) {
+  const Fmt f = parse_format(format);
+  TORCH_CHECK(cpu_has(isa), "cbserve_cpu quant_linear: this CPU lacks the instruction set of path '", isa, "'");
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu(), "cbserve_cpu quant_linear: float32 CPU input");
+  const at::Tensor x = input.contiguous();
+  const int64_t k = x.size(-1), n = blocks.size(0), m = k ? x.numel() / k : 0;
+  check_blocks(blocks, f, k);
+  std::optional<at::Tensor> b;
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "cbserve_cpu quant_linear: float32 bias [out_features]");
+    b = bias->contiguous();
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  if (y.numel() == 0) return y;
+  const Args a{x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), m, n, k};
+  const RowsFn fn = pick(f, isa);
+  // At least 16 output features a task: a task's weight rows are one sequential read.
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    if (fn) fn(a, n0, n1);
+    else rows_generic(f, a, n0, n1);
+  });
+  return y;
+}
+
+// The float32 values of the blocks: [rows, K] (every path gives the same values).
+at::Tensor dequantize_blocks(const at::Tensor& blocks, const std::string& format, int64_t k, const std::string& isa) {
+  const Fmt f = parse_format(format);
+  TORCH_CHECK(cpu_has(isa), "cbserve_cpu dequantize_blocks: this CPU lacks the instruction set of path '", isa, "'");
+  check_blocks(blocks, f, k);
+  at::Tensor out = at::empty({blocks.size(0), k}, blocks.options().dtype(at::kFloat));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t nb = k / 32;
+  at::parallel_for(0, blocks.size(0) * nb, 1024, [&](int64_t begin, int64_t end) {
+#if CB_X86
+    if (isa == "avx512") {
+      if (f == Fmt::q8_0) return dequant_rows_avx512<Fmt::q8_0>(src, dst, begin, end);
+      if (f == Fmt::q4_0) return dequant_rows_avx512<Fmt::q4_0>(src, dst, begin, end);
+      return dequant_rows_avx512<Fmt::q4_1>(src, dst, begin, end);
+    }
+#endif
+    for (int64_t i = begin; i < end; ++i) dequant_block(f, src + i * block_bytes(f), dst + i * 32);
+  });
+  return out;
+}
+
+bool quant_isa_available(const std::string& isa) { return cpu_has(isa); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
+  m.def("quant_isa_available(str isa) -> bool", &quant_isa_available);
+  m.def("quant_linear(Tensor input, Tensor blocks, str format, Tensor? bias, str isa) -> Tensor", &quant_linear);
+  m.def("dequantize_blocks(Tensor blocks, str format, int k, str isa) -> Tensor", &dequantize_blocks);
+}

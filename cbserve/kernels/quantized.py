@@ -1,0 +1,221 @@
+"""Linear layers and embeddings on block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1), kept as the
+file stores them: 34, 18 or 20 bytes per 32 weights instead of 64 in bfloat16.
+
+- `QuantizedLinear`: calls of up to `GEMV_ROWS` rows (decode) run the C++ kernel
+  (`csrc/quant_linear_cpu.cpp`), which dequantizes each block in registers and reads the weights'
+  bytes once per call: a decode step is bound by those bytes on a CPU. Larger calls (prefill, which
+  is bound by arithmetic) dequantize the matrix for that call and multiply it densely (oneDNN), so
+  a prompt runs at the dense kernels' speed. `batch_invariant`: the C++ kernel for every row count.
+- `QuantizedEmbedding`: the rows of the looked-up tokens, dequantized.
+- `quantize_from_gguf(model, path)`: swaps a model's linear layers (and its input embedding) for
+  these, from the GGUF file the model was dequantized from. Each swapped weight is first checked
+  to dequantize to exactly the model's dense weight (catches a name or layout mismatch); a tensor
+  of another format (F16, K-quants) or that does not match stays dense, and the log says which.
+
+`quantize` / `dequantize` are plain torch: the reference of the block formats for tests, and what
+quantizes a dense model's weights for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from cbserve.kernels import cpu_isa
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+GGUF_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
+# Up to how many rows a call runs the C++ kernel (decode-sized); above, dequantize + oneDNN.
+GEMV_ROWS = 8
+# The attribute `models.load_model` sets on a model loaded from a GGUF file: that file's path.
+GGUF_SOURCE = "cb_gguf_file"
+
+
+def kernel_isa() -> str:
+    """The C++ kernel's path for this CPU ('avx512', 'avx2' or 'generic'), from the selected ISA."""
+    return {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2"}.get(cpu_isa.selected(), "generic")
+
+
+# --------------------------------------------------------------------------------- reference
+
+
+def dequantize(blocks: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """float32 ``[rows, in_features]`` of `blocks` (uint8 ``[rows, in_features / 32 * bytes]``), the
+    product and the offset rounded separately, as gguf-py and transformers dequantize."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, in_features // BLOCK, BLOCK_BYTES[fmt])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+    if fmt == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(rows, in_features)
+    qs = b[..., 4:] if fmt == "q4_1" else b[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # values 0-15 of bytes' low then high nibbles
+    if fmt == "q4_0":
+        return ((q - 8) * d).reshape(rows, in_features)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    return (q * d + m).reshape(rows, in_features)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """uint8 blocks of `weight` ``[rows, in_features]`` (in_features a multiple of 32), rounded as
+    llama.cpp's reference quantizers round."""
+    rows, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"in_features must be a multiple of {BLOCK} to quantize, got {k}")
+    w = weight.detach().float().reshape(rows, k // BLOCK, BLOCK)
+    if fmt == "q8_0":
+        d = w.abs().amax(-1, keepdim=True) / 127
+        q = torch.where(d > 0, w / d, torch.zeros_like(w)).round().clamp(-127, 127).to(torch.int8)
+        parts = [d.half().view(torch.uint8).reshape(rows, -1, 2), q.view(torch.uint8)]
+    elif fmt == "q4_0":
+        idx = w.abs().argmax(-1, keepdim=True)
+        d = w.gather(-1, idx) / -8
+        q = torch.where(d != 0, w / d + 8.5, torch.full_like(w, 8.0)).floor().clamp(0, 15).to(torch.uint8)
+        parts = [d.half().view(torch.uint8).reshape(rows, -1, 2), q[..., :16] | (q[..., 16:] << 4)]
+    elif fmt == "q4_1":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = torch.where(d > 0, (w - lo) / d + 0.5, torch.zeros_like(w)).floor().clamp(0, 15).to(torch.uint8)
+        parts = [d.half().view(torch.uint8).reshape(rows, -1, 2), lo.half().view(torch.uint8).reshape(rows, -1, 2),
+                 q[..., :16] | (q[..., 16:] << 4)]
+    else:
+        raise ValueError(f"unknown block format {fmt!r} ({', '.join(BLOCK_BYTES)})")
+    return torch.cat(parts, dim=-1).reshape(rows, -1).contiguous()
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+class QuantizedLinear(torch.nn.Module):
+    """`nn.Linear` on block-quantized weights; outputs in the input's dtype."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None = None,
+                 batch_invariant: bool = False) -> None:
+        super().__init__()
+        if fmt not in BLOCK_BYTES:
+            raise ValueError(f"unknown block format {fmt!r} ({', '.join(BLOCK_BYTES)})")
+        if in_features % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] != in_features // BLOCK * BLOCK_BYTES[fmt]:
+            raise ValueError(f"blocks must be uint8 [out_features, {in_features // BLOCK * BLOCK_BYTES[fmt]}] "
+                             f"for {fmt} with in_features {in_features} (a multiple of {BLOCK})")
+        from cbserve.kernels import cpu_kernels
+
+        cpu_kernels.load()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.batch_invariant = batch_invariant
+        self.isa = kernel_isa()
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str, batch_invariant: bool = False) -> QuantizedLinear:
+        """A dense layer's weights quantized to `fmt`."""
+        return cls(quantize(linear.weight, fmt), fmt, linear.in_features, linear.bias, batch_invariant)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weights dequantized (float32)."""
+        return torch.ops.cbserve_cpu.dequantize_blocks(self.blocks, self.fmt, self.in_features, self.isa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= GEMV_ROWS or self.batch_invariant:
+            y = torch.ops.cbserve_cpu.quant_linear(x.float(), self.blocks, self.fmt, self.bias, self.isa)
+            return y.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.dense_weight().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} "
+                f"({self.blocks.numel() / 2**20:.1f} MiB), kernel {self.isa} up to {GEMV_ROWS} rows")
+
+
+class QuantizedEmbedding(torch.nn.Module):
+    """`nn.Embedding` on block-quantized rows; `dtype` is the model's."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, embedding_dim: int, dtype: torch.dtype,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.fmt, self.embedding_dim, self.dtype, self.padding_idx = fmt, embedding_dim, dtype, padding_idx
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.isa = kernel_isa()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        values = torch.ops.cbserve_cpu.dequantize_blocks(rows, self.fmt, self.embedding_dim, self.isa)
+        return values.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt} ({self.blocks.numel() / 2**20:.1f} MiB)"
+
+
+# ------------------------------------------------------------------------------- from GGUF
+
+
+def _reverse_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores Llama's q/k rows permuted for its rotary layout; transformers undoes it
+    (whole rows move, so the same permutation applies to rows of blocks)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _candidates(raw: torch.Tensor, name: str, config) -> list[torch.Tensor]:
+    """The file's rows as stored, then (q/k of Llama-style models) as transformers permutes them."""
+    found = [raw]
+    heads = getattr(config, "num_attention_heads", None)
+    if heads and (".attn_q." in name or ".attn_k." in name):
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        found.append(_reverse_permute(raw, heads if ".attn_q." in name else kv))
+    return found
+
+
+def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_invariant: bool = False) -> int:
+    """Replace `model`'s linear layers and input embedding by quantized ones read from `gguf_path`
+    (the file the model was loaded from), in place; returns how many were replaced."""
+    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
+
+    config = model.config
+    arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == config.model_type), None)
+    if arch is None:
+        raise ValueError(f"quantization 'auto': gguf has no architecture named {config.model_type!r}")
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    dtype = next(model.parameters()).dtype
+    replaced, kept, raws = 0, [], {}
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or type(module) not in (
+                torch.nn.Linear, torch.nn.Embedding):
+            continue
+        gguf_name = names.get_name(module_name)
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None and module_name == "lm_head" and config.tie_word_embeddings:
+            tensor = tensors.get("token_embd.weight")
+        fmt = GGUF_TYPES.get(int(tensor.tensor_type)) if tensor is not None else None
+        if fmt is None:
+            kept.append(f"{module_name} ({tensor.tensor_type.name if tensor is not None else 'not in the file'})")
+            continue
+        if tensor.name not in raws:  # one copy for a tied head and embedding
+            raws[tensor.name] = torch.from_numpy(tensor.data.copy()).reshape(module.weight.shape[0], -1)
+        raw = raws[tensor.name]
+        dense = module.weight.detach()
+        blocks = next((c.contiguous() for c in _candidates(raw, tensor.name, config)
+                       if torch.equal(dequantize(c, fmt, dense.shape[1]).to(dense.dtype), dense)), None)
+        if blocks is None:
+            kept.append(f"{module_name} (its {fmt} blocks do not dequantize to the model's weights)")
+            continue
+        if isinstance(module, torch.nn.Embedding):
+            new = QuantizedEmbedding(blocks, fmt, module.embedding_dim, dtype, module.padding_idx)
+        else:
+            new = QuantizedLinear(blocks, fmt, module.in_features, module.bias, batch_invariant)
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+    if kept:
+        logger.info("quantization 'auto': %d layers kept dense: %s", len(kept), ", ".join(kept))
+    logger.info("quantization 'auto': %d layers run on %s's own blocks", replaced, Path(gguf_path).name)
+    return replaced

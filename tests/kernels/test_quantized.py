@@ -1,0 +1,180 @@
+"""Block-quantized weights (kernels/quantized.py, csrc/quant_linear_cpu.cpp): the C++ kernel and
+dequantizer on every path this CPU has against the plain-torch reference of GGUF's Q8_0, Q4_0 and
+Q4_1, the layers in a model against transformers on the dequantized weights, and the default
+model's GGUF run on its own blocks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cbserve
+from cbserve.kernels import cpu_isa, cpu_kernels, quantized
+from cbserve.kernels.quantized import QuantizedEmbedding, QuantizedLinear, dequantize, quantize
+from tests.support.exactness import run_engine
+from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
+
+FORMATS = ("q8_0", "q4_0", "q4_1")
+PATHS = ("generic", "avx2", "avx512")
+
+pytestmark = pytest.mark.skipif(bool(cpu_kernels.unavailable_reason()), reason=cpu_kernels.unavailable_reason()
+                                or "kernels available")
+
+
+def _path(isa: str) -> str:
+    """`isa`, or a skip saying why this CPU cannot run it."""
+    if isa != "generic" and not torch.ops.cbserve_cpu.quant_isa_available(isa):
+        pytest.skip(f"this CPU has no {isa} ({cpu_isa.why_not(isa) if isa in cpu_isa.ISAS else ''})")
+    return isa
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_rounds_within_half_a_step(fmt: str) -> None:
+    w = torch.randn(64, 128) * 3
+    w[0, :32] = 0.0  # a block of zeros: d = 0 must not divide by zero
+    back = dequantize(quantize(w, fmt), fmt, 128)
+    blocks = w.reshape(64, 4, 32)
+    span = blocks.abs().amax(-1) if fmt != "q4_1" else blocks.amax(-1) - blocks.amin(-1)
+    step = span / {"q8_0": 127, "q4_0": 8, "q4_1": 15}[fmt]
+    err = (back - w).abs().reshape(64, 4, 32).amax(-1)
+    # Half a step (q4_0: a whole one at the end opposite its largest value, which its 16 levels
+    # -8..7 reach only to -7/8 of), plus float16's rounding of d and m.
+    allowed = step * (1.0 if fmt == "q4_0" else 0.5) + 1e-3 * span + 1e-6
+    assert torch.all(err <= allowed)
+    assert torch.all(back[0, :32] == 0)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_blocks_equals_the_reference(fmt: str, isa: str) -> None:
+    blocks = quantize(torch.randn(48, 96), fmt)
+    out = torch.ops.cbserve_cpu.dequantize_blocks(blocks, fmt, 96, _path(isa))
+    assert torch.equal(out, dequantize(blocks, fmt, 96))
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_the_reference_and_is_batch_invariant(fmt: str, isa: str) -> None:
+    isa = _path(isa)
+    torch.manual_seed(0)
+    n, k = 40, 160
+    blocks, bias = quantize(torch.randn(n, k), fmt), torch.randn(n)
+    dense = dequantize(blocks, fmt, k).double()
+    x = torch.randn(19, k)
+    y = torch.ops.cbserve_cpu.quant_linear(x, blocks, fmt, bias, isa)
+    expected = x.double() @ dense.T + bias.double()
+    assert (y.double() - expected).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
+    for rows in (1, 2, 5, 8, 11):  # a row's result does not depend on the rows around it
+        assert torch.equal(torch.ops.cbserve_cpu.quant_linear(x[:rows], blocks, fmt, bias, isa), y[:rows])
+    no_bias = torch.ops.cbserve_cpu.quant_linear(x[:3], blocks, fmt, None, isa)
+    assert torch.allclose(no_bias + bias, y[:3], atol=1e-5)
+
+
+def test_kernel_refuses_what_it_cannot_run() -> None:
+    blocks = quantize(torch.randn(8, 64), "q8_0")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.cbserve_cpu.quant_linear(torch.randn(2, 48), blocks, "q8_0", None, "generic")
+    with pytest.raises(RuntimeError, match="unknown format"):
+        torch.ops.cbserve_cpu.quant_linear(torch.randn(2, 64), blocks, "q5_k", None, "generic")
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedLinear(blocks[:, :10], "q8_0", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_runs_every_row_count_in_the_input_dtype(dtype: torch.dtype) -> None:
+    linear = torch.nn.Linear(96, 24)
+    layer = QuantizedLinear.from_linear(linear, "q4_1")
+    dense = dequantize(layer.blocks, "q4_1", 96)
+    for rows in (1, quantized.GEMV_ROWS, quantized.GEMV_ROWS + 1, 40):  # kernel, then dequantize + dense
+        x = torch.randn(2, rows, 96).to(dtype)
+        y = layer(x)
+        assert y.dtype == dtype and y.shape == (2, rows, 24)
+        expected = torch.nn.functional.linear(x.float(), dense, linear.bias.detach())
+        assert torch.allclose(y.float(), expected, atol=5e-2 if dtype == torch.bfloat16 else 1e-5)
+    invariant = QuantizedLinear(layer.blocks, "q4_1", 96, linear.bias, batch_invariant=True)
+    x = torch.randn(40, 96)
+    assert torch.equal(invariant(x)[:1], invariant(x[:1]))  # the kernel for every row count
+
+
+def test_embedding_rows_are_the_dequantized_rows() -> None:
+    table = torch.randn(50, 64)
+    blocks = quantize(table, "q8_0")
+    embedding = QuantizedEmbedding(blocks, "q8_0", 64, torch.bfloat16)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(embedding(ids), dequantize(blocks, "q8_0", 64)[ids].bfloat16())
+
+
+def _quantized_tiny_llama(fmt: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(a tiny Llama whose linear layers run on `fmt` blocks, the same model with those blocks
+    dequantized into dense weights: the reference)."""
+    model = tiny_model("llama", torch.float32)
+    reference = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear:
+            layer = QuantizedLinear.from_linear(module, fmt)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer)
+            with torch.no_grad():
+                reference.get_submodule(name).weight.copy_(dequantize(layer.blocks, fmt, layer.in_features))
+    return model, reference
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_on_quantized_layers_matches_transformers_on_their_values(fmt: str) -> None:
+    model, reference = _quantized_tiny_llama(fmt)
+    prompts = random_prompts([5, 17, 40, 9])
+    refs = [reference_generate(reference, p, 10) for p in prompts]
+    requests, _ = run_engine(model, prompts, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64,
+                                                                             return_logprobs=True), max_new=10)
+    for request, (tokens, logprobs) in zip(requests, refs):
+        assert request.generated == tokens
+        assert request.logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_quantization_auto_needs_a_gguf_source_and_one_rank() -> None:
+    model = tiny_model("llama", torch.float32)
+    with pytest.raises(ValueError, match="quantization='auto' needs a model loaded from a GGUF file"):
+        run_engine(model, [[5, 6, 7]], cbserve.ContinuousBatchingConfig(quantization="auto", num_blocks=8))
+    with pytest.raises(ValueError, match="quantization='auto' works with tp_size=1 only"):
+        cbserve.ContinuousBatchingConfig(quantization="auto", tp_size=2)
+    with pytest.raises(ValueError, match="quantization"):
+        cbserve.ContinuousBatchingConfig(quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def default_model_dense_and_auto() -> tuple[torch.nn.Module, torch.nn.Module]:
+    try:
+        from cbserve.models import default_gguf_path
+
+        default_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    dense, _ = cbserve.load_model(dtype=torch.float32)
+    auto, _ = cbserve.load_model(dtype=torch.float32)
+    return dense, auto
+
+
+def test_default_model_runs_on_its_own_gguf_blocks(default_model_dense_and_auto) -> None:
+    from cbserve.models import default_gguf_path
+
+    dense, auto = default_model_dense_and_auto
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 28, 30, 216, 33, 30]]
+    gc_max = 12
+    ref, _ = run_engine(dense, prompts, cbserve.ContinuousBatchingConfig(num_blocks=16, return_logprobs=True), gc_max)
+    got, _ = run_engine(auto, prompts, cbserve.ContinuousBatchingConfig(num_blocks=16, return_logprobs=True,
+                                                                        quantization="auto"), gc_max)
+    # Every linear layer and the embedding run on the file's blocks (q/k rows un-permuted as
+    # transformers does: without it those 60 layers would stay dense)...
+    layers = [m for m in auto.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 7 * auto.config.num_hidden_layers + 1
+    assert {m.fmt for m in layers} == {"q4_1", "q8_0"} and isinstance(auto.model.embed_tokens, QuantizedEmbedding)
+    assert auto.lm_head.blocks is auto.model.embed_tokens.blocks  # tied: one copy
+    held = sum(b.numel() * b.element_size() for b in auto.buffers()) + sum(
+        p.numel() * p.element_size() for p in auto.parameters())
+    assert held <= 1.25 * default_gguf_path().stat().st_size
+    # ... whose values are the dense model's: the same tokens, log-probabilities within float32 noise.
+    for r, g in zip(ref, got):
+        assert g.generated == r.generated
+        assert g.logprobs == pytest.approx(r.logprobs, abs=1e-3)
