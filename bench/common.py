@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("mixed", "decode", "long", "shared")
+WORKLOADS = ("mixed", "decode", "long", "shared", "single")
 SHARED_PREFIX_TOKENS = 512  # the "shared" workload's system prompt
 
 
@@ -29,7 +29,8 @@ def make_workload(name: str, allowed_ids: list[int], requests: int | None, seed:
     - decode: 128 x 16 -> 128;
     - long: 16 x 2,000 -> 64 (prefill);
     - shared: 64 requests of one 512-token system prompt plus 16-128 tokens of their own -> 16-64
-      (prefix caching).
+      (prefix caching);
+    - single: one stream, 256 -> 256 (decode speed at batch 1).
     """
     rng = random.Random(f"{name}-{seed}")
     if name == "shared":
@@ -41,6 +42,8 @@ def make_workload(name: str, allowed_ids: list[int], requests: int | None, seed:
         shapes = [(16, 128)] * (requests or 128)
     elif name == "long":
         shapes = [(2000, 64)] * (requests or 16)
+    elif name == "single":
+        shapes = [(256, 256)] * (requests or 1)
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
     prompts = [[rng.choice(allowed_ids) for _ in range(p)] for p, _ in shapes]

@@ -5,10 +5,12 @@ its venv's Python (`make peers` installs it into .venv-vllm):
 
 - offline: vLLM's `LLM.generate` vs cbserve's manager with its default config
   (`init_continuous_batching` + `add_request`, what users run); optionally `cbserve_sized`, the
-  `EngineCore` that bench/throughput.py sizes for each workload. Workloads (bench/common.py):
+  `EngineCore` that bench/throughput.py sizes for each workload, `cbserve_gguf`, the manager on the
+  GGUF file's own quantized blocks (quantization='auto'), and `llamacpp`, llama-cpp-python on the
+  same GGUF file (`make peers-llamacpp`; one request at a time, as its Python API runs them). Workloads (bench/common.py):
   mixed (64 requests, prompts 16-256, outputs 8-128), decode (128 x 16 -> 128), long
-  (16 x 2,000 -> 64), shared (a 512-token system prompt; prefix caching on for both). EOS ignored,
-  greedy, random token ids.
+  (16 x 2,000 -> 64), shared (a 512-token system prompt; prefix caching on for both), single (one
+  stream, 256 -> 256). EOS ignored, greedy, random token ids.
 - served: `python -m vllm.entrypoints.openai.api_server` vs `make serve`'s app
   (`python -m cbserve.cluster.run ray_config.yaml`, on free ports), streamed `/v1/completions`
   (bench/serving.py's client) with 256-token prompts and 128 new tokens (ignore_eos) at 1, 8 and 32
@@ -49,8 +51,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import common  # standard library only: vLLM's venv imports this file too
 
 DEFAULT_PEER_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+DEFAULT_LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
 RESULTS = ROOT / "bench" / "results"
-OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized")
+OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "llamacpp")
 SERVED_ENGINES = ("cbserve", "vllm")
 PEER = "vllm"
 WARMUP = ([16, 32, 8, 24], [4, 8, 2, 6])  # prompt lengths, outputs: first-call costs, not timed
@@ -59,18 +62,19 @@ WARMUP = ([16, 32, 8, 24], [4, 8, 2, 6])  # prompt lengths, outputs: first-call 
 # -- the peer and its settings ---------------------------------------------------------------------
 
 
-def peer_status(python: Path, timeout: float = 300.0) -> tuple[str | None, str | None]:
-    """(vLLM's version, None) when `import vllm` works in `python`, else (None, why not)."""
+def peer_status(python: Path, timeout: float = 300.0, module: str = "vllm",
+                target: str = "peers") -> tuple[str | None, str | None]:
+    """(the peer's version, None) when `import <module>` works in `python`, else (None, why not)."""
     if not Path(python).exists():
-        return None, f"{python} not found: `make peers` installs vLLM's CPU engine there"
+        return None, f"{python} not found: `make {target}` installs {module} there"
     try:
-        done = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        done = subprocess.run([str(python), "-c", f"import {module}; print({module}.__version__)"],
+                              capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return None, f"`import vllm` in {python} took over {timeout:g} s"
+        return None, f"`import {module}` in {python} took over {timeout:g} s"
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, f"`import vllm` failed in {python}: {last}"
+        return None, f"`import {module}` failed in {python}: {last}"
     return done.stdout.strip().splitlines()[-1], None
 
 
@@ -131,7 +135,8 @@ def run_child(python: Path, job: dict[str, Any], env: dict[str, str], log: Path,
 
 def worker_main(job_path: Path, out_path: Path) -> int:
     job = json.loads(job_path.read_text())
-    run = {"cbserve": offline_cbserve, "vllm": offline_vllm, "cbserve_sized": offline_cbserve_sized}[job["engine"]]
+    run = {"cbserve": offline_cbserve, "vllm": offline_vllm, "cbserve_sized": offline_cbserve_sized,
+           "cbserve_gguf": offline_cbserve, "llamacpp": offline_llamacpp}[job["engine"]]
     out_path.write_text(json.dumps(run(job)))
     return 0
 
@@ -187,7 +192,8 @@ def _load_cbserve(job: dict[str, Any]) -> tuple[Any, int | None]:
 
 
 def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
-    """The manager as a user builds it: default ContinuousBatchingConfig, no workload hints."""
+    """The manager as a user builds it: default ContinuousBatchingConfig, no workload hints
+    (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks)."""
     from throughput import greedy_config
 
     import cbserve
@@ -195,7 +201,8 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model, pad = _load_cbserve(job)
     longest = max(n for work in job["workloads"] for n in work["lengths"])
-    manager = cbserve.init_continuous_batching(model, greedy_config(longest, pad))
+    config = cbserve.ContinuousBatchingConfig(quantization="auto" if job["engine"] == "cbserve_gguf" else "none")
+    manager = cbserve.init_continuous_batching(model, greedy_config(longest, pad), config)
     manager.start()
     ready = time.perf_counter() - start
     try:
@@ -207,6 +214,32 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     finally:
         manager.stop(block=True, timeout=60)
         manager.destroy()
+
+
+def offline_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python on the model's GGUF file (its own venv, `make peers-llamacpp`): greedy, EOS
+    ignored; its Python API runs one sequence at a time, so requests go one after another."""
+    import llama_cpp
+
+    threads = len(os.sched_getaffinity(0))
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=job["gguf"], n_ctx=4096, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, seed=job["seed"], verbose=False)
+    ready = time.perf_counter() - start
+
+    def generate(prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+        outs = []
+        for prompt, n in zip(prompts, lengths, strict=True):
+            tokens = []
+            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                tokens.append(token)
+                if len(tokens) == n:
+                    break
+            outs.append(tokens)
+        return outs
+
+    return timed_workloads(job, generate, ready, f"llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
+                           "one request at a time")
 
 
 def manager_generate(manager: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
@@ -256,10 +289,19 @@ def build_workloads(names: list[str], requests: int | None, seed: int, model: st
     return [common.make_workload(n, allowed, requests, seed) for n in names]
 
 
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file of `model` (the default model's by default), for cbserve_gguf and llama.cpp."""
+    from cbserve.models import _resolve_gguf
+
+    found = _resolve_gguf(model)
+    return str(found[1]) if found else None
+
+
 def offline_job(engine: str, dtype: str, workloads: list[common.Workload], args: argparse.Namespace,
                 folder: str) -> dict[str, Any]:
     warm_prompts = [[100 + i for i in range(n)] for n in WARMUP[0]]
     return {"engine": engine, "dtype": dtype, "model": args.model, "folder": folder, "seed": args.seed,
+            "gguf": gguf_file(args.model),
             "warmup": [warm_prompts, WARMUP[1]],
             "workloads": [{"name": w.name, "prompts": w.prompts, "lengths": w.lengths} for w in workloads]}
 
@@ -292,7 +334,8 @@ def run_offline(args: argparse.Namespace, engines: list[str], folder: str, vllm_
         for rep in range(args.repeat):
             for engine in engines:
                 print(f"offline {dtype} round {rep + 1}/{args.repeat}: {engine} ...", flush=True)
-                python, env = (args.vllm_python, vllm_env) if engine == PEER else (Path(sys.executable), {})
+                python, env = {PEER: (args.vllm_python, vllm_env), "llamacpp": (args.llamacpp_python, {})}.get(
+                    engine, (Path(sys.executable), {}))
                 res = run_child(python, offline_job(engine, dtype, workloads, args, folder), env,
                                 logs / f"offline-{engine}-{dtype}-{rep}.log", args.child_timeout)
                 results.append({**res, "round": rep})
@@ -409,7 +452,9 @@ def offline_summary(results: list[dict[str, Any]], agree_first: int) -> list[dic
         pair = tokens.get("cbserve"), tokens.get(PEER)
         agree = common.agreement(*pair, agree_first) if pair[0] and pair[1] else None
         ratios = {e: common.ratio(medians[e], medians.get(PEER)) for e in medians if e != PEER}
-        out.append({**row, "median": medians, "ratio_to_vllm": ratios, "agreement": agree})
+        to_llamacpp = {e: common.ratio(medians[e], medians.get("llamacpp")) for e in medians if e != "llamacpp"}
+        out.append({**row, "median": medians, "ratio_to_vllm": ratios, "ratio_to_llamacpp": to_llamacpp,
+                    "agreement": agree})
     return out
 
 
@@ -460,12 +505,15 @@ def _x(x: float | None) -> str:
 
 
 def format_offline(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'dtype':<9} {'workload':<8} {'engine':<14} {'median tok/s':>12}  {'rounds':<24} {'cbserve/vLLM':>12}"]
+    header = (f"{'dtype':<9} {'workload':<8} {'engine':<14} {'median tok/s':>12}  {'rounds':<24} {'/ vLLM':>8} "
+              f"{'/ llama.cpp':>11}")
+    lines = [header]
     for row in rows:
         for engine, rates in row["rates"].items():
             ratio = "" if engine == PEER else _x(row["ratio_to_vllm"].get(engine))
+            to_llamacpp = "" if engine == "llamacpp" else _x(row.get("ratio_to_llamacpp", {}).get(engine))
             lines.append(f"{row['dtype']:<9} {row['workload']:<8} {engine:<14} {row['median'][engine]:>12.1f}  "
-                         f"{' '.join(f'{r:.1f}' for r in rates):<24} {ratio:>12}")
+                         f"{' '.join(f'{r:.1f}' for r in rates):<24} {ratio:>8} {to_llamacpp:>11}")
         a = row["agreement"]
         if a:
             lines.append(f"{'':<9} {row['workload']:<8} greedy cbserve vs vLLM: {a['agree_first']}/{a['requests']} "
@@ -516,6 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (its dequantized cache folder)")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_PEER_PYTHON)
+    p.add_argument("--llamacpp-python", type=Path, default=DEFAULT_LLAMACPP_PYTHON,
+                   help="the venv of `make peers-llamacpp` (engine llamacpp)")
     p.add_argument("--vllm-settings", default="tune", help="tune, or one candidate: defaults, all-cores, nobind, "
                    "all-cores+tcmalloc, all-cores+tcmalloc+iomp")
     p.add_argument("--tune-requests", type=int, default=16, help="requests of the mixed probe per candidate")
@@ -559,6 +609,11 @@ def plan_engines(args: argparse.Namespace, peer_missing: str | None) -> tuple[li
     if peer_missing and PEER in args.engines:
         print(f"SKIPPING vLLM: {peer_missing}; measuring cbserve alone (no ratios)", flush=True)
         offline, served = [e for e in offline if e != PEER], [e for e in served if e != PEER]
+    if "llamacpp" in offline:
+        _, missing = peer_status(args.llamacpp_python, module="llama_cpp", target="peers-llamacpp")
+        if missing:
+            print(f"SKIPPING llama.cpp: {missing}", flush=True)
+            offline = [e for e in offline if e != "llamacpp"]
     return offline, served
 
 

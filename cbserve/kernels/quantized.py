@@ -177,7 +177,7 @@ def _candidates(raw: torch.Tensor, name: str, config) -> list[torch.Tensor]:
 def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_invariant: bool = False) -> int:
     """Replace `model`'s linear layers and input embedding by quantized ones read from `gguf_path`
     (the file the model was loaded from), in place; returns how many were replaced."""
-    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
     config = model.config
     arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == config.model_type), None)
