@@ -41,6 +41,7 @@ from cbserve.serving.front.json_body import parse_request
 from cbserve.serving.front.metrics import ServingMetrics
 from cbserve.serving.front.openai_service import OpenAIService, Reply
 from cbserve.serving.front.replies import ChoiceStream
+from cbserve.serving.front.responses import ResponsesRequest
 from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from cbserve.serving.front.worker_requests import bind_call_tenant, key_tenant, with_call_tenant
 from cbserve.serving.protocol import WorkerRequest
@@ -247,7 +248,8 @@ class OpenAIIngress:
         if reply.stream is not None:
             headers["Cache-Control"] = "no-cache"
             return StreamingResponse(reply.stream, media_type="text/event-stream", headers=headers)
-        return JSONResponse(reply.body.model_dump(), headers=headers)
+        body = reply.body if isinstance(reply.body, dict) else reply.body.model_dump()
+        return JSONResponse(body, headers=headers)
 
     # -- HTTP routes ----------------------------------------------------------------------------
 
@@ -258,6 +260,10 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest, self.service.chat)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ResponsesRequest, self.service.responses)
 
     async def _on_replica(self, request: Request, call: Any) -> Response:
         """A tokenizer route: `call(body)` parses the body and returns a replica call's result."""

@@ -232,6 +232,39 @@ def test_tool_calls_through_the_openai_client(cluster: dict[str, Any]) -> None:
     assert out.usage.prompt_tokens > named.usage.prompt_tokens
 
 
+def test_responses_api_through_the_openai_client(cluster: dict[str, Any]) -> None:
+    import openai
+
+    client = _client(cluster)
+    whole = client.responses.create(model=MODEL, input="the sea", max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the sea"}],
+                                          max_tokens=6, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content  # the same greedy answer
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 6
+    with client.responses.stream(model=MODEL, input="the sea", max_output_tokens=6, temperature=0) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"  # as OpenAI ends a stream cut at max_output_tokens
+    assert "".join(deltas) == events[-1].response.output_text == whole.output_text
+    # A function tool, then its output back in the next turn's input.
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    asked = client.responses.create(model=MODEL, input="weather in tokyo?", tools=[tool], tool_choice="required",
+                                    max_output_tokens=200, temperature=0)
+    call = next(item for item in asked.output if item.type == "function_call")
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    with client.responses.stream(model=MODEL, input="weather in tokyo?", tools=[tool], tool_choice="required",
+                                 max_output_tokens=200, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in streamed.output] == [(i.name, i.arguments) for i in asked.output]
+    follow = client.responses.create(model=MODEL, tools=[tool], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "weather in tokyo?"}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.usage.input_tokens > asked.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as err:  # nothing is stored to continue from
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"
+
+
 # ---- strictness, tokenizer routes, overload, gRPC ----------------------------------------------
 
 

@@ -21,6 +21,7 @@ from cbserve.errors import InvalidRequestError
 from cbserve.serving.api_errors import APIError, openai_error
 from cbserve.serving.chat_template import template_messages
 from cbserve.serving.constraints import requested, tool_choice_mode, tool_constraint
+from cbserve.serving.front import responses
 from cbserve.serving.front.chat_replies import ChatRendering
 from cbserve.serving.front.metrics import ServingMetrics
 from cbserve.serving.front.replies import (
@@ -34,6 +35,7 @@ from cbserve.serving.front.replies import (
     usage,
     worker_failure,
 )
+from cbserve.serving.front.responses import ResponsesRequest
 from cbserve.serving.front.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -349,6 +351,17 @@ class OpenAIService:
                                     *call_ids("chatcmpl", client_id))
         except InvalidRequestError as exc:
             raise openai_error(exc, "messages") from None
+
+    async def responses(self, req: ResponsesRequest, arrival: float | None = None,
+                        client_id: str | None = None) -> Reply:
+        """OpenAI's Responses API, run as a chat completion (`responses.py`)."""
+        try:
+            reply = await self.chat(responses.to_chat(req), arrival, client_id)
+        except APIError as exc:
+            raise responses.renamed(exc) from None
+        if reply.stream is not None:
+            return Reply(reply.replicas, stream=responses.stream(req, self.model_name, reply.stream))
+        return Reply(reply.replicas, body=responses.render(req, reply.body))
 
     async def _chat(self, req: ChatCompletionRequest, arrival: float, rid: str, call: str) -> Reply:
         mode = tool_choice_mode(req)
