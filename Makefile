@@ -62,12 +62,20 @@ peers: install $(PEER_STAMP)
 # llama-cpp-python from source (a few minutes on 2 cores; needs cmake and a C++ compiler) with its
 # OpenAI server, which serves the same GGUF file with continuous-batching slots.
 LLAMACPP_VENV ?= .venv-llamacpp
+# This CPU's vector extensions, without AMX: llama.cpp's AMX matmul crashed (SIGSEGV in
+# ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36) on the Sapphire Rapids VM it was tried on.
+CPU_FLAG = $(if $(shell grep -m1 -ow $(1) /proc/cpuinfo),-DGGML_$(2)=ON,-DGGML_$(2)=OFF)
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    $(call CPU_FLAG,avx,AVX) $(call CPU_FLAG,avx2,AVX2) $(call CPU_FLAG,fma,FMA) $(call CPU_FLAG,f16c,F16C) \
+    $(call CPU_FLAG,avx512f,AVX512) $(call CPU_FLAG,avx512_vnni,AVX512_VNNI) \
+    $(call CPU_FLAG,avx512_bf16,AVX512_BF16) $(call CPU_FLAG,avx_vnni,AVX_VNNI)
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 
 $(LLAMACPP_STAMP): Makefile
 	test -x $(LLAMACPP_VENV)/bin/python || python3 -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LLAMACPP_VENV)/bin/python -m pip install -q "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir \
+	    "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
 	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 	touch $(LLAMACPP_STAMP)
 

@@ -15,7 +15,10 @@ from cbserve.serving.api_errors import APIError
 from cbserve.serving.front.json_body import parse_request
 from cbserve.serving.front.responses import ResponsesRequest, input_messages, to_chat
 from cbserve.serving.front.schemas import ChatCompletionRequest
-from tests.serving.test_openai_parity import info, loaded, manager, model_dir, service  # noqa: F401 - fixtures
+from tests.serving import test_openai_parity as parity
+
+# The in-process service over the tiny model (and the fixtures it needs), as test_openai_parity has it.
+model_dir, loaded, manager, info, service = parity.model_dir, parity.loaded, parity.manager, parity.info, parity.service
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
