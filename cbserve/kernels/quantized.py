@@ -215,7 +215,33 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1
+    fuse_projections(model)
     if kept:
         logger.info("quantization 'auto': %d layers kept dense: %s", len(kept), ", ".join(kept))
     logger.info("quantization 'auto': %d layers run on %s's own blocks", replaced, Path(gguf_path).name)
     return replaced
+
+
+def fuse_projections(model: torch.nn.Module) -> int:
+    """Each Llama layer's quantized q/k/v and gate/up as one `QuantizedLinear` (the lean forward's
+    fused calls, `llama_forward.FUSED`), the parts' blocks then viewing its rows: one call and one
+    pass over the input instead of three or two. Returns how many groups were fused."""
+    from cbserve.kernels import llama_forward
+
+    fused = 0
+    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+        for module, name in ((getattr(layer, "self_attn", None), llama_forward.QKV),
+                             (getattr(layer, "mlp", None), llama_forward.GATE_UP)):
+            parts = [getattr(module, p, None) for p in llama_forward.FUSED[name]]
+            if not all(isinstance(p, QuantizedLinear) and p.bias is None for p in parts) or len(
+                    {(p.fmt, p.in_features, p.batch_invariant) for p in parts}) != 1:
+                continue
+            group = QuantizedLinear(torch.cat([p.blocks for p in parts]), parts[0].fmt, parts[0].in_features,
+                                    batch_invariant=parts[0].batch_invariant)
+            start = 0
+            for part in parts:
+                part.blocks = group.blocks[start:start + part.out_features]
+                start += part.out_features
+            setattr(module, name, group)
+            fused += 1
+    return fused

@@ -167,12 +167,18 @@ def test_default_model_runs_on_its_own_gguf_blocks(default_model_dense_and_auto)
                                                                         quantization="auto"), gc_max)
     # Every linear layer and the embedding run on the file's blocks (q/k rows un-permuted as
     # transformers does: without it those 60 layers would stay dense)...
-    layers = [m for m in auto.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for name, m in auto.named_modules() if isinstance(m, QuantizedLinear) and ".cb_" not in name]
     assert len(layers) == 7 * auto.config.num_hidden_layers + 1
     assert {m.fmt for m in layers} == {"q4_1", "q8_0"} and isinstance(auto.model.embed_tokens, QuantizedEmbedding)
     assert auto.lm_head.blocks is auto.model.embed_tokens.blocks  # tied: one copy
-    held = sum(b.numel() * b.element_size() for b in auto.buffers()) + sum(
-        p.numel() * p.element_size() for p in auto.parameters())
+    # q/k/v and gate/up fused for the lean forward, the parts viewing the fused rows (no copy)
+    layer = auto.model.layers[0]
+    assert layer.self_attn.k_proj.blocks.untyped_storage().data_ptr() == \
+        layer.self_attn.cb_qkv_proj.blocks.untyped_storage().data_ptr()
+    assert layer.mlp.cb_gate_up_proj.out_features == 2 * auto.config.intermediate_size
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*auto.buffers(), *auto.parameters()]}
+    held = sum(storages.values())
     assert held <= 1.25 * default_gguf_path().stat().st_size
     # ... whose values are the dense model's: the same tokens, log-probabilities within float32 noise.
     for r, g in zip(ref, got):
