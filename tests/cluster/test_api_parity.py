@@ -265,6 +265,38 @@ def test_responses_api_through_the_openai_client(cluster: dict[str, Any]) -> Non
     assert err.value.body["param"] == "previous_response_id"
 
 
+CLIENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" / "python"
+
+
+@pytest.mark.skipif(not CLIENTS_PYTHON.exists(), reason=f"{CLIENTS_PYTHON} missing: `make install` builds it")
+def test_client_libraries_langchain_litellm_and_the_agents_sdk(cluster: dict[str, Any]) -> None:
+    """Each library as its docs show it, in its own venv: the same greedy text as the openai client,
+    streamed and not, tool calls (LangChain's bind_tools; the Agents SDK calling its function tool,
+    then giving its structured output, on the Responses and the chat completions models)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "support" / "client_libraries.py"
+    done = subprocess.run([str(CLIENTS_PYTHON), str(script), f"http://127.0.0.1:{cluster['http']}/v1", MODEL],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    errors = {name: r["error"] for name, r in got.items() if "error" in r}
+    assert not errors, errors
+    expected = _client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "the sea"}], max_tokens=6, temperature=0)
+    text = expected.choices[0].message.content
+    assert got["langchain"]["text"] == got["langchain"]["streamed"] == text
+    assert got["langchain"]["usage"]["output_tokens"] == 6
+    assert [c["name"] for c in got["langchain"]["tool_calls"]] == ["get_weather"]
+    assert got["langchain"]["tool_calls"][0]["args"]["city"] in ("paris", "tokyo")
+    assert got["litellm"]["text"] == got["litellm"]["streamed"] == text
+    assert got["litellm"]["completion_tokens"] == 6
+    for backend in ("responses", "chat"):
+        run = got["agents"][backend]
+        assert run["tool_calls"] and run["tool_calls"][0] in ("paris", "tokyo"), (backend, run)
+        assert run["final_output"]["sky"] in ("sunny", "rainy"), (backend, run)
+
+
 # ---- strictness, tokenizer routes, overload, gRPC ----------------------------------------------
 
 

@@ -416,9 +416,13 @@ def test_tool_choice_is_checked(service: OpenAIService) -> None:
                   tool_choice={"type": "function", "function": {"name": "nope"}})
     assert err.param == "tool_choice"
     assert refused(chat, service, messages=messages, tool_choice="required").param == "tool_choice"
-    err = refused(chat, service, messages=messages, tools=[WEATHER], tool_choice="required",
-                  response_format={"type": "json_object"})
-    assert err.param == "response_format"
+    # A forced call and a response_format: the call wins, as in OpenAI's API (the format shapes a
+    # text answer; the Agents SDK sends both for an agent with an output type that must call a tool).
+    out = chat(service, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=400,
+               parallel_tool_calls=False,
+               response_format={"type": "json_object"}, temperature=0)
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
 # ---- strictness, overload, tokenizer endpoints -------------------------------------------------

@@ -210,11 +210,10 @@ class OpenAIService:
         return out
 
     def _chat_constraint(self, req: ChatCompletionRequest, mode: str) -> Constraint | None:
-        constraint, forced = requested(req), tool_constraint(req, mode)
-        if constraint is not None and forced is not None:
-            raise InvalidRequestError(constraint.field, f"{constraint.field}: not with tool_choice {mode!r} (which "
-                                      "constrains the output to the tool call)")
-        return forced or constraint
+        """A forced tool call's grammar, else the requested output constraint. With both, the call
+        wins, as in OpenAI's API: `response_format` shapes a text answer, and a forced call's turn
+        has none (the Agents SDK sends both when an agent with an output type must call a tool)."""
+        return tool_constraint(req, mode) or requested(req)
 
     def chat_requests(self, req: ChatCompletionRequest, rid: str, mode: str = "none") -> list[WorkerRequest]:
         max_tokens = req.max_completion_tokens or req.max_tokens
