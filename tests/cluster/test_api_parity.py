@@ -260,8 +260,12 @@ def test_responses_api_through_the_openai_client(cluster: dict[str, Any]) -> Non
         {"role": "user", "content": "weather in tokyo?"}, call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert follow.usage.input_tokens > asked.usage.input_tokens
-    with pytest.raises(openai.BadRequestError) as err:  # nothing is stored to continue from
-        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    # A conversation continued from the stored response.
+    then = client.responses.create(model=MODEL, previous_response_id=whole.id, input="one two",
+                                   max_output_tokens=4, temperature=0)
+    assert then.previous_response_id == whole.id and then.usage.input_tokens > whole.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_unknown")
     assert err.value.body["param"] == "previous_response_id"
 
 
@@ -271,7 +275,7 @@ CLIENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" /
 @pytest.mark.skipif(not CLIENTS_PYTHON.exists(), reason=f"{CLIENTS_PYTHON} missing: `make install` builds it")
 def test_client_libraries_langchain_litellm_and_the_agents_sdk(cluster: dict[str, Any]) -> None:
     """Each library as its docs show it, in its own venv: the same greedy text as the openai client,
-    streamed and not, tool calls (LangChain's bind_tools; the Agents SDK calling its function tool,
+    streamed and not, structured output (LangChain's with_structured_output), tool calls (LangChain's bind_tools; the Agents SDK calling its function tool,
     then giving its structured output, on the Responses and the chat completions models)."""
     import subprocess
 
@@ -289,6 +293,7 @@ def test_client_libraries_langchain_litellm_and_the_agents_sdk(cluster: dict[str
     assert got["langchain"]["usage"]["output_tokens"] == 6
     assert [c["name"] for c in got["langchain"]["tool_calls"]] == ["get_weather"]
     assert got["langchain"]["tool_calls"][0]["args"]["city"] in ("paris", "tokyo")
+    assert got["langchain"]["structured"] in ("yes", "no")  # with_structured_output: a json_schema format
     assert got["litellm"]["text"] == got["litellm"]["streamed"] == text
     assert got["litellm"]["completion_tokens"] == 6
     for backend in ("responses", "chat"):

@@ -46,11 +46,8 @@ def _events(service: Any, **body: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _refused(**body: Any) -> APIError:
-    with pytest.raises(APIError) as err:
-        to_chat(_req(**body))
-    assert err.value.status == 400
-    return err.value
+def _chat_of(req: ResponsesRequest) -> ChatCompletionRequest:
+    return to_chat(req, input_messages(req))
 
 
 def test_input_items_become_the_chat_messages_they_mean() -> None:
@@ -63,8 +60,8 @@ def test_input_items_become_the_chat_messages_they_mean() -> None:
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
         {"role": "developer", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}])
+    assert _chat_of(req).messages[0].role == "system" and _chat_of(req).messages[0].content == "be brief"
     assert input_messages(req) == [
-        {"role": "system", "content": "be brief"},
         {"role": "user", "content": "weather in tokyo?"},
         {"role": "assistant", "content": None, "reasoning_content": "hmm", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "tokyo"}'}},
@@ -73,7 +70,7 @@ def test_input_items_become_the_chat_messages_they_mean() -> None:
         {"role": "tool", "tool_call_id": "c2", "content": "rain"},
         {"role": "assistant", "content": "Sunny."},
         {"role": "developer", "content": "ab"}]
-    chat = to_chat(_req(input="hi", max_output_tokens=7, tools=[WEATHER], tool_choice={"type": "function",
+    chat = _chat_of(_req(input="hi", max_output_tokens=7, tools=[WEATHER], tool_choice={"type": "function",
                         "name": "get_weather"}, text={"format": {"type": "json_schema", "name": "v", "schema": {
                             "type": "object"}}}, reasoning={"effort": "low"}, parallel_tool_calls=False))
     assert isinstance(chat, ChatCompletionRequest)
@@ -83,8 +80,7 @@ def test_input_items_become_the_chat_messages_they_mean() -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
@@ -97,7 +93,7 @@ def test_input_items_become_the_chat_messages_they_mean() -> None:
 ])
 def test_what_is_not_supported_is_refused_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as err:
-        to_chat(_req(**{"input": "hi", **body}))
+        _chat_of(_req(**{"input": "hi", **body}))
     assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
@@ -149,3 +145,37 @@ def test_function_calls_come_back_as_items(service: Any) -> None:
     assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert deltas == "".join(c.arguments for c in calls)
+
+
+def test_previous_response_id_continues_the_stored_conversation(service: Any) -> None:
+    first = _respond(service, input="the sea", max_output_tokens=4, temperature=0).body
+    follow = _respond(service, previous_response_id=first["id"], input="one two", max_output_tokens=4,
+                      temperature=0, instructions="be brief").body
+    said = first["output"][0]["content"][0]["text"]
+    chat = asyncio.run(service.chat(parse_request(json.dumps({"model": "tiny", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the sea"},
+                     {"role": "assistant", "content": said}, {"role": "user", "content": "one two"}]}).encode(),
+        ChatCompletionRequest))).body
+    assert follow["usage"]["input_tokens"] == chat.usage.prompt_tokens  # the whole conversation, once
+    assert follow["output"][0]["content"][0]["text"] == chat.choices[0].message.content
+    assert follow["previous_response_id"] == first["id"] and follow["store"] is True
+    # A streamed response is stored too; store: false keeps nothing; unknown ids are refused.
+    streamed = _events(service, input="the sea", max_output_tokens=2, temperature=0)[-1]["response"]["id"]
+    assert _respond(service, previous_response_id=streamed, input="one", max_output_tokens=2).body["status"]
+    unstored = _respond(service, input="the sea", max_output_tokens=2, store=False).body
+    assert unstored["store"] is False
+    for rid in (unstored["id"], "resp_unknown"):
+        with pytest.raises(APIError) as err:
+            _respond(service, previous_response_id=rid, input="hi", max_output_tokens=2)
+        assert err.value.param == "previous_response_id"
+
+
+def test_the_store_keeps_the_last_responses_only() -> None:
+    from cbserve.serving.front.responses import ResponseStore
+
+    store = ResponseStore(size=2)
+    for i in range(3):
+        store.put(f"resp_{i}", [{"role": "user", "content": str(i)}])
+    assert store.get("resp_2") and store.get("resp_1")
+    with pytest.raises(APIError):
+        store.get("resp_0")

@@ -19,6 +19,7 @@ os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 def langchain(base_url: str, model: str) -> dict:
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
 
     llm = ChatOpenAI(model=model, base_url=base_url, api_key="none", max_tokens=6, temperature=0, max_retries=0)
     answer = llm.invoke("the sea")
@@ -31,8 +32,14 @@ def langchain(base_url: str, model: str) -> dict:
 
     called = ChatOpenAI(model=model, base_url=base_url, api_key="none", max_tokens=200, temperature=0,
                         max_retries=0).bind_tools([get_weather], tool_choice="get_weather").invoke("weather?")
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+
+    verdict = ChatOpenAI(model=model, base_url=base_url, api_key="none", max_tokens=50, temperature=0,
+                         max_retries=0).with_structured_output(Verdict).invoke("yes or no?")
     return {"text": answer.content, "streamed": streamed, "usage": answer.usage_metadata,
-            "tool_calls": [{"name": c["name"], "args": c["args"]} for c in called.tool_calls]}
+            "tool_calls": [{"name": c["name"], "args": c["args"]} for c in called.tool_calls],
+            "structured": verdict.answer}
 
 
 def litellm_client(base_url: str, model: str) -> dict:

@@ -157,6 +157,7 @@ class OpenAIService:
         self.metrics = metrics
         self.model_name = args.model_name
         self._names = {args.model_name} | ({args.model} if args.model else set())
+        self.response_store = responses.ResponseStore()
 
     # -- request -> worker requests: the rules only this front has -------------------------------
 
@@ -353,14 +354,24 @@ class OpenAIService:
 
     async def responses(self, req: ResponsesRequest, arrival: float | None = None,
                         client_id: str | None = None) -> Reply:
-        """OpenAI's Responses API, run as a chat completion (`responses.py`)."""
+        """OpenAI's Responses API, run as a chat completion (`responses.py`); stored for
+        `previous_response_id` unless `store` is false."""
+        previous = self.response_store.get(req.previous_response_id) if req.previous_response_id else []
+        conversation = previous + responses.input_messages(req)
         try:
-            reply = await self.chat(responses.to_chat(req), arrival, client_id)
+            reply = await self.chat(responses.to_chat(req, conversation), arrival, client_id)
         except APIError as exc:
             raise responses.renamed(exc) from None
+
+        def keep(rid: str, output: list[dict[str, Any]]) -> None:
+            if req.store is not False:
+                self.response_store.put(rid, conversation + responses.output_messages(output))
+
         if reply.stream is not None:
-            return Reply(reply.replicas, stream=responses.stream(req, self.model_name, reply.stream))
-        return Reply(reply.replicas, body=responses.render(req, reply.body))
+            return Reply(reply.replicas, stream=responses.stream(req, self.model_name, reply.stream, keep))
+        body = responses.render(req, reply.body)
+        keep(body["id"], body["output"])
+        return Reply(reply.replicas, body=body)
 
     async def _chat(self, req: ChatCompletionRequest, arrival: float, rid: str, call: str) -> Reply:
         mode = tool_choice_mode(req)

@@ -8,15 +8,20 @@ items `reasoning` (a thinking model's reasoning), `message` (`output_text`) and 
 turns the chat chunks into the Responses events (`response.created`, `response.output_item.added`,
 `response.output_text.delta`, ..., `response.completed`), each with its `sequence_number`.
 
-Nothing is stored: `store: true`, `previous_response_id`, `conversation`, `background` and stored
-`prompt`s are refused, as are tools other than functions, non-text inputs and `include`s.
+`previous_response_id` continues a conversation from a bounded in-memory store of the ingress
+replica (`ResponseStore`: the conversation's messages, the last `STORE_SIZE` responses; `store:
+false` skips it; OpenAI's default is to store). It is lost on a restart, and a follow-up that another
+ingress replica receives is refused naming the field. `conversation`, `background`, stored
+`prompt`s, tools other than functions, non-text inputs and `include`s are refused.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
@@ -44,21 +49,62 @@ class ResponsesRequest(Strict):
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None  # IGNORED, as in chat: nothing is stored
+    metadata: dict[str, str] | None = Field(None, max_length=16)  # kept with the response, not used
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = Field(None, max_length=64)  # IGNORED: no moderation here
     truncation: Literal["disabled"] | None = None
-    # Refused unless off: nothing is stored, no hosted state.
-    store: Literal[False] | None = None
+    store: bool | None = None  # None: stored, as OpenAI does
+    previous_response_id: str | None = Field(None, max_length=256)
+    # Refused unless off: no hosted state beyond the response store.
     background: Literal[False] | None = None
-    previous_response_id: None = None
     conversation: None = None
     prompt: None = None
     include: list[str] | None = Field(None, max_length=0)
     top_logprobs: Literal[0] | None = None
     max_tool_calls: None = None
     stream_options: dict[str, Literal[False]] | None = None  # include_obfuscation: false only
+
+
+STORE_SIZE = 1024  # responses kept for previous_response_id, per ingress replica
+
+
+class ResponseStore:
+    """The conversations of the last `size` stored responses (their chat messages, instructions
+    excluded, as OpenAI does not carry them over), least recently stored first out."""
+
+    def __init__(self, size: int = STORE_SIZE):
+        self.size = size
+        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._items[rid] = messages
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> list[dict[str, Any]]:
+        with self._lock:
+            found = self._items.get(rid)
+        if found is None:
+            raise _refuse("previous_response_id", f"no stored response {rid!r} here (responses are kept in memory, "
+                          f"the last {self.size} of this server's ingress replica; store: false keeps none)")
+        return found
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the assistant message of a replayed conversation."""
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    for item in output:
+        if item["type"] == "reasoning":
+            message["reasoning_content"] = "".join(p["text"] for p in item["content"])
+        elif item["type"] == "message":
+            message["content"] = "".join(p["text"] for p in item["content"])
+        else:
+            message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                "name": item["name"], "arguments": item["arguments"]}})
+    return [message]
 
 
 def _refuse(param: str, message: str) -> APIError:
@@ -94,13 +140,11 @@ def _field(item: dict[str, Any], name: str, param: str) -> str:
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of `instructions` and `input`: function calls of one turn in one
-    assistant message, their outputs as tool messages, reasoning items on the assistant turn."""
+    """The chat messages of `input`: function calls of one turn in one assistant message, their
+    outputs as tool messages, reasoning items on the assistant turn."""
     messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
-        return [*messages, {"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}]
     reasoning: list[str] = []
     for i, item in enumerate(req.input):
         param, kind = f"input.{i}", item.get("type", "message")
@@ -176,9 +220,11 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     return reasoning.get("effort")
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request that runs `req`; a 400 naming the Responses field."""
-    body = {"model": req.model, "messages": input_messages(req), "max_tokens": req.max_output_tokens,
+def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion request that runs `req` after `conversation` (its previous turns, the
+    input's messages included); a 400 naming the Responses field."""
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
             "stream_options": {"include_usage": True} if req.stream else None, "tools": _tools(req),
             "tool_choice": _tool_choice(req.tool_choice), "response_format": _response_format(req.text),
@@ -224,9 +270,10 @@ def response_object(req: ResponsesRequest, rid: str, model: str, created: int, s
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "output": output,
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": _reasoning_effort(req.reasoning), "summary": None},
-            "store": False, "temperature": req.temperature, "top_p": req.top_p,
+            "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [], "truncation": "disabled", "usage": usage, "user": req.user,
             "metadata": req.metadata or {}}
@@ -345,8 +392,10 @@ class _Events:
         return [*events, *self.close()]
 
 
-async def stream(req: ResponsesRequest, model: str, chat_sse: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The Responses events of a chat completion's SSE lines (`data: {chunk}`, ending `[DONE]`)."""
+async def stream(req: ResponsesRequest, model: str, chat_sse: AsyncIterator[str],
+                 on_done: Callable[[str, list[dict[str, Any]]], None]) -> AsyncIterator[str]:
+    """The Responses events of a chat completion's SSE lines (`data: {chunk}`, ending `[DONE]`);
+    `on_done(response id, output items)` once the response is whole."""
     events = _Events(req, model)
     status, usage = "completed", None
     async for line in chat_sse:
@@ -382,4 +431,5 @@ async def stream(req: ResponsesRequest, model: str, chat_sse: AsyncIterator[str]
                 yield event
     for event in events.close():
         yield event
+    on_done(events.rid, events.output)
     yield events.event(f"response.{status}", response=events.response(status, usage))
