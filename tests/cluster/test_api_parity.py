@@ -275,8 +275,9 @@ CLIENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" /
 @pytest.mark.skipif(not CLIENTS_PYTHON.exists(), reason=f"{CLIENTS_PYTHON} missing: `make install` builds it")
 def test_client_libraries_langchain_litellm_and_the_agents_sdk(cluster: dict[str, Any]) -> None:
     """Each library as its docs show it, in its own venv: the same greedy text as the openai client,
-    streamed and not, structured output (LangChain's with_structured_output), tool calls (LangChain's bind_tools; the Agents SDK calling its function tool,
-    then giving its structured output, on the Responses and the chat completions models)."""
+    streamed and not, structured output (LangChain's with_structured_output), tool calls
+    (LangChain's bind_tools; the Agents SDK calling its function tool, then giving its structured
+    output, on the Responses and the chat completions models)."""
     import subprocess
 
     script = Path(__file__).resolve().parents[1] / "support" / "client_libraries.py"
