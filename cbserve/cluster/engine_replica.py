@@ -34,7 +34,7 @@ from cbserve.serving.api_errors import ABORTED, APIError, error_event
 from cbserve.serving.constraints import Grammars
 from cbserve.serving.front.metrics import kv_usage
 from cbserve.serving.protocol import WorkerEvent, WorkerRequest
-from cbserve.serving.replica.generation import ModelInfo, run_request
+from cbserve.serving.replica.generation import ModelInfo, manager_generation_config, run_request
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,6 @@ class EngineReplica:
     """One model and its manager; served as `EngineDeployment` (or inside `IngressWorker`)."""
 
     def __init__(self, args: ClusterArgs, board: DeploymentHandle | None = None):
-        from transformers import GenerationConfig
-
         import cbserve
 
         self.args = with_cpus(args)  # build_app gave a number; else this node's CPUs
@@ -119,8 +117,9 @@ class EngineReplica:
         eos = eos_ids(model, self.tokenizer)
         self.manager = cbserve.init_continuous_batching(
             model,
-            # Every request names its max_new_tokens (max_new_tokens below): this default is unused.
-            generation_config=GenerationConfig(eos_token_id=eos),
+            # The model's sampling defaults for what a request leaves out (every request names its
+            # max_new_tokens: that default is unused).
+            generation_config=manager_generation_config(model, eos),
             continuous_batching_config=engine,
         )
         self.manager.start()

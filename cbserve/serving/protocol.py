@@ -19,15 +19,15 @@ ConstraintKind = Literal["json_object", "json_schema", "regex", "choice", "gramm
 class Sampling(BaseModel):
     """One choice's sampling, built once by its front and carried as is to the manager: each field
     is an `add_request` keyword (`cbserve.workers.validation`: SAMPLING_FIELDS, OPTIONS,
-    SCHEDULING_FIELDS, cache_salt), checked there, with vLLM's semantics. temperature, top_p and
-    top_k are always sent (the front's defaults: the model's generation config must not apply);
-    any other field left None is left off."""
+    SCHEDULING_FIELDS, cache_salt), checked there, with vLLM's semantics. A field left None is left
+    off: the replica's manager then applies the model's generation_config.json defaults
+    (`generation.manager_generation_config`), as vLLM does."""
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -446,3 +446,26 @@ def test_http_reaching_an_engine_replica_gets_an_explicit_503() -> None:
     body = json.loads(resp.body)
     assert resp.status_code == 503 and resp.headers["retry-after"] == "2"
     assert body["error"]["code"] == "redeploying" and body["error"]["type"] == "service_unavailable"
+
+
+def test_the_models_generation_config_gives_the_sampling_defaults() -> None:
+    """vLLM's default: a request's left-out temperature / top_p / top_k / min_p / repetition_penalty
+    come from the model's generation_config.json (only the keys it sets), else OpenAI's values."""
+    from transformers import GenerationConfig
+
+    from cbserve.serving.front.service_args import GenerationDefaults
+    from cbserve.serving.front.worker_requests import sampling
+    from cbserve.serving.replica.generation import manager_generation_config
+    from cbserve.workers.generation_config import sampling_params
+
+    class Model:
+        generation_config = GenerationConfig(temperature=0.6, top_p=0.9, repetition_penalty=1.1)
+
+    own = sampling_params(manager_generation_config(Model(), 2))
+    assert (own.do_sample, own.temperature, own.top_p, own.top_k, own.repetition_penalty) == (True, 0.6, 0.9, 0, 1.1)
+    Model.generation_config = GenerationConfig()  # sets nothing: transformers' top_k 50 is not the model's
+    none = sampling_params(manager_generation_config(Model(), 2))
+    assert (none.do_sample, none.temperature, none.top_p, none.top_k) == (True, 1.0, 1.0, 0)
+    # The front leaves them out unless the deployment or the request sets them.
+    assert sampling(GenerationDefaults()).engine_kwargs() == {}
+    assert sampling(GenerationDefaults(temperature=0.2), top_k=5).engine_kwargs() == {"temperature": 0.2, "top_k": 5}

@@ -18,9 +18,10 @@ class GenerationDefaults(Strict):
 
     max_tokens: int | None = Field(None, ge=1, description="max_tokens when the request gives none; None: the "
                                    "context the prompt leaves (vLLM's default)")
-    temperature: float = Field(1.0, ge=0.0, description="OpenAI's default is 1.0")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = off")
+    # None: the model's generation_config.json sets it (vLLM's default), else OpenAI's value.
+    temperature: float | None = Field(None, ge=0.0, description="None: the model's, else 1.0 (OpenAI's default)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="None: the model's, else 1.0")
+    top_k: int | None = Field(None, ge=0, description="None: the model's, else off; 0 = off")
 
 
 class LimitsConfig(Strict):

@@ -80,7 +80,8 @@ def routing_hashes(routing: RoutingConfig, prompt: str | Sequence[int] | None = 
 def sampling(gen: GenerationDefaults, temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, **fields: Any) -> Sampling:
     """A request's sampling block: temperature, top_p and top_k left None take the deployment's
-    generation defaults; `fields`: the block's other fields (seed, penalties, priority, ...)."""
+    generation defaults, or stay None (the model's own defaults, applied by the replica) where the
+    deployment sets none; `fields`: the block's other fields (seed, penalties, priority, ...)."""
     return Sampling(temperature=gen.temperature if temperature is None else temperature,
                     top_p=gen.top_p if top_p is None else top_p, top_k=gen.top_k if top_k is None else top_k,
                     **fields)

@@ -51,6 +51,25 @@ class ModelInfo:
     grammars: Any = None  # a `constraints.Grammars` for the model: structured outputs (None: refused)
 
 
+# The model's generation_config.json keys that are a request's sampling defaults (vLLM's list),
+# with OpenAI's values where the file sets none.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": None}
+
+
+def manager_generation_config(model: Any, eos_token_id: Any) -> Any:
+    """The served manager's GenerationConfig: sampling (a request that names no sampling field
+    samples, as OpenAI's API does) with the defaults the model's own generation_config.json sets
+    (only the keys it sets: transformers' class defaults, e.g. top_k 50, are not the model's),
+    else OpenAI's."""
+    from transformers import GenerationConfig
+
+    gc = getattr(model, "generation_config", None)
+    own = gc.to_diff_dict() if gc is not None else {}
+    values = {k: own.get(k, default) for k, default in SAMPLING_DEFAULTS.items()}
+    return GenerationConfig(eos_token_id=eos_token_id, do_sample=True,
+                            **{k: v for k, v in values.items() if v is not None})
+
+
 def tokenize(tokenizer: Any, req: WorkerRequest) -> list[int]:
     """The prompt's token ids; raises InvalidRequestError("messages", ...) when the chat template
     cannot render the messages."""
