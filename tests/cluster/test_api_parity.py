@@ -222,7 +222,9 @@ def test_tool_calls_through_the_openai_client(cluster: dict[str, Any]) -> None:
                                             stream=True, extra_body={"guided_choice": [CALL_TEXT]})
     chunks = list(stream)
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert [d.function.name for d in deltas if d.id] == ["get_weather"]  # id and name first, once
+    assert len(deltas) > 2 and {d.index for d in deltas} == {0}  # then the arguments as they come
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "tokyo"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # the call and its result go back through the chat template

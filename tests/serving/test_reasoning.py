@@ -63,7 +63,11 @@ def test_a_choice_renders_reasoning_content_whole_and_streamed() -> None:
         assert len(message.get("tool_calls") or []) == calls and (calls or message["content"] == CALL)
         deltas = [c["delta"] for c in _stream(rendering, "tagged", output, "stop")]
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == "check the clock"
-        assert sum(len(d.get("tool_calls") or []) for d in deltas) == calls
+        pieces = [tc for d in deltas for tc in d.get("tool_calls") or []]
+        assert sum(1 for tc in pieces if tc.get("id")) == calls  # a call's id and name in its first delta
+        if calls:  # then its arguments as they come
+            arguments = "".join(tc["function"]["arguments"] or "" for tc in pieces)
+            assert json.loads(arguments) == json.loads(message["tool_calls"][0]["function"]["arguments"])
         assert "<think>" not in "".join(d.get("content") or "" for d in deltas)
     # Asked-for logprobs come for every token, reasoning ones included (on the piece's first chunk).
     stream, sent = ChatRendering(logprobs=True).stream(0, "tagged"), []

@@ -93,3 +93,29 @@ class Tok:
 def test_the_format_is_read_off_the_template(template: str, fmt: str) -> None:
     assert tool_format(Tok(template), [{"type": "function", "function": {"name": "f"}}]) == fmt
     assert tool_format(Tok(template), None) == "hermes"
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_hermes_calls_stream_their_arguments_as_they_come(chunk: int) -> None:
+    """OpenAI's deltas: a call's id and name first, then its arguments' text in pieces, however the
+    text is cut; a call of another head comes whole; a tag that is no call stays content."""
+    import json
+
+    from cbserve.serving.front.tool_calls import HermesStreamParser
+
+    text = ('hi <tool_call>\n{"name": "get_time", "arguments": {"zone": "u}tc", "n": [1, 2]}}\n</tool_call> and '
+            '<tool_call>{"arguments": {}, "name": "x"}</tool_call><tool_call>not json</tool_call> bye')
+    parser, content, deltas = HermesStreamParser(), "", []
+    for at in range(0, len(text), chunk):
+        shown, out = parser.feed_deltas(text[at:at + chunk])
+        content, deltas = content + shown, deltas + out
+    shown, out = parser.flush_deltas()
+    content, deltas = content + shown, deltas + out
+    assert content == "hi  and <tool_call>not json</tool_call> bye"
+    heads = [(d.index, d.function.name) for d in deltas if d.id]
+    assert heads == [(0, "get_time"), (1, "x")]
+    first = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+    assert json.loads(first) == {"zone": "u}tc", "n": [1, 2]} and "<" not in first
+    assert chunk > len(text) or sum(1 for d in deltas if d.index == 0) > 2  # in pieces
+    assert [d.function.arguments for d in deltas if d.index == 1] == ["{}"]  # whole
+    assert [c.function.name for c in parser.calls] == ["get_time", "x"]

@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 
 from cbserve.serving.front.reasoning import ThinkSplitter, split_reasoning
 from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
-from cbserve.serving.front.schemas import AssistantMessage, ChatChoice, ChatChunkChoice, DeltaMessage
-from cbserve.serving.front.tool_calls import HermesParser, auto_parser, delta_calls, split_calls
+from cbserve.serving.front.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    DeltaMessage,
+    DeltaToolCall,
+)
+from cbserve.serving.front.tool_calls import HermesStreamParser, delta_calls, split_calls, stream_parser
 from cbserve.serving.front.tool_formats import WholeOutputParser
 
 
@@ -36,17 +42,18 @@ class ChatRendering:
         """One choice's chunks; `reasoning`, `tool_format`: its start event's (how a thinking
         model's output begins, how the model writes tool calls)."""
         splitter = None if reasoning == "off" else ThinkSplitter(inside=reasoning == "open")
-        return ChatStream(self, index, splitter, auto_parser(tool_format))
+        return ChatStream(self, index, splitter, stream_parser(tool_format))
 
 
 @dataclass
 class ChatStream:
-    """One choice's chunks: content as it comes (held while it may be a call), calls when whole."""
+    """One choice's chunks: content as it comes (held while it may be a call); Hermes calls'
+    arguments as they come, other calls whole."""
 
     rendering: ChatRendering
     index: int
     splitter: ThinkSplitter | None = None  # a thinking model's: reasoning out of the text first
-    _parser: HermesParser | WholeOutputParser = field(default_factory=HermesParser)
+    _parser: HermesStreamParser | WholeOutputParser = field(default_factory=HermesStreamParser)
     _forced: str = ""  # named / required: the constrained JSON, parsed at the end
     _calls: int = 0
 
@@ -63,10 +70,13 @@ class ChatStream:
             self._forced += text
             return "", []
         if mode == "auto":
+            if isinstance(self._parser, HermesStreamParser):
+                return self._parser.feed_deltas(text)
             return self._parser.feed(text)
         return text, []
 
     def _delta(self, p: Piece, text: str, calls: list, reasoning: str = "") -> list[ChatChunkChoice]:
+        """`calls`: whole ToolCalls (numbered here) or a stream parser's deltas (numbered there)."""
         out = []
         lp = chat_logprobs(p, self.rendering.top_logprobs) if self.rendering.logprobs and p.token_ids else None
         if reasoning:  # the piece's logprobs ride on its first chunk
@@ -74,7 +84,10 @@ class ChatStream:
             lp = None
         if text or lp is not None:
             out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=text), logprobs=lp))
-        if calls:
+        if calls and isinstance(calls[0], DeltaToolCall):
+            out += [ChatChunkChoice(index=self.index, delta=DeltaMessage(tool_calls=[d])) for d in calls]
+            self._calls = self._parser.opened  # type: ignore[union-attr]
+        elif calls:
             out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(tool_calls=delta_calls(calls, self._calls))))
             self._calls += len(calls)
         return out
@@ -87,7 +100,8 @@ class ChatStream:
             content, calls = split_calls(self._forced, mode)
             text = content or ""
         elif mode == "auto":
-            rest, more = self._parser.flush()
+            stream = isinstance(self._parser, HermesStreamParser)
+            rest, more = self._parser.flush_deltas() if stream else self._parser.flush()  # type: ignore[union-attr]
             text, calls = text + rest, calls + more
         out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls, reasoning)
         finish = "tool_calls" if self._calls and p.finish_reason != "length" else p.finish_reason

@@ -380,16 +380,21 @@ class _Events:
         return [*events, self.event(name, item_id=self.open["id"], output_index=index, content_index=0,
                                     delta=delta, **extra)]
 
-    def call(self, call: dict[str, Any]) -> list[str]:
-        """A whole function call (the chat stream sends each call in one piece)."""
-        events = self.close()
-        item = _call_item(f"fc_{self.rid}_{len(self.output)}", call, "in_progress")
-        arguments, item["arguments"] = item["arguments"], ""
-        events += self._open_item(item)
-        item["arguments"] = arguments
-        events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                 output_index=len(self.output), delta=arguments))
-        return [*events, *self.close()]
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A chat stream's tool-call delta: one with an id opens a function_call item (its name,
+        maybe whole arguments); the others add to its arguments."""
+        events: list[str] = []
+        if delta.get("id"):
+            events += self.close()
+            item = _call_item(f"fc_{self.rid}_{len(self.output)}", {"id": delta["id"], "function": {
+                "name": delta["function"]["name"], "arguments": ""}}, "in_progress")
+            events += self._open_item(item)
+        piece = (delta.get("function") or {}).get("arguments") or ""
+        if piece and self.open is not None and self.open["type"] == "function_call":
+            self.open["arguments"] += piece
+            events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                     output_index=len(self.output), delta=piece))
+        return events
 
 
 async def stream(req: ResponsesRequest, model: str, chat_sse: AsyncIterator[str],

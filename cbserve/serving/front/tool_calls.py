@@ -13,6 +13,7 @@ A call gets an id `call_<hex>` and its arguments as JSON text, as OpenAI sends t
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,9 +116,107 @@ class HermesParser:
         return ""
 
 
+# A Hermes call's head as its templates write it, up to where the arguments' JSON begins.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+# What may still be the call object's own closing brace (held back from the arguments).
+_TAIL = re.compile(r"\s*\}?\s*$")
+
+
+@dataclass
+class _Open:
+    """A call being streamed: its delta index and id, and how much of its body has been sent."""
+
+    index: int
+    id: str
+    name: str
+    sent: int
+
+
+@dataclass
+class HermesStreamParser(HermesParser):
+    """`HermesParser` for a stream, in OpenAI's deltas: a call's id and name as soon as they are
+    written, then its arguments' JSON text as it comes. A call whose head is not `{"name": ...,
+    "arguments": ...}` comes whole when it ends; once streamed, a call stays a call."""
+
+    opened: int = 0  # calls given a delta index so far
+    _open: _Open | None = None
+
+    def feed_deltas(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        """Add text; returns the content that may be shown now and the call deltas."""
+        self._buf += text
+        content, out = "", []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(START)
+                if at < 0:
+                    keep = partial_tail(self._buf, START)
+                    content += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return content, out
+                content += self._buf[:at]
+                self._buf, self._in_call = self._buf[at + len(START):], True
+                continue
+            at = self._buf.find(END)
+            if at < 0:  # not what may be the start of the end tag
+                out += self._progress(self._buf[: len(self._buf) - partial_tail(self._buf, END)], whole=False)
+                return content, out
+            body, self._buf, self._in_call = self._buf[:at], self._buf[at + len(END):], False
+            content += self._end(body, END, out)
+
+    def flush_deltas(self) -> tuple[str, list[DeltaToolCall]]:
+        """The end of the output: an unclosed call counts when its JSON is complete."""
+        out: list[DeltaToolCall] = []
+        content = self._end(self._buf, "", out) if self._in_call else self._buf
+        self._buf, self._in_call = "", False
+        return content, out
+
+    def _progress(self, body: str, whole: bool) -> list[DeltaToolCall]:
+        """The deltas `body` (a call's text so far; `whole`: all of it) adds to what was sent."""
+        out = []
+        if self._open is None:
+            head = _HEAD.match(body)
+            if head is None:
+                return out
+            self._open = _Open(self.opened, f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{head.group(1)}"'),
+                               head.end())
+            self.opened += 1
+            out.append(DeltaToolCall(index=self._open.index, id=self._open.id, type="function",
+                                     function=DeltaFunctionCall(name=self._open.name, arguments="")))
+        end = len(body.rstrip()) - 1 if whole else len(body) - len(_TAIL.search(body, self._open.sent).group(0))
+        piece = body[self._open.sent:end].rstrip() if whole else body[self._open.sent:end]
+        if piece:
+            out.append(DeltaToolCall(index=self._open.index, function=DeltaFunctionCall(arguments=piece)))
+            self._open.sent += len(piece)
+        return out
+
+    def _end(self, body: str, closing: str, out: list[DeltaToolCall]) -> str:
+        """A call's end: its last deltas, or the whole call, or its text back as content."""
+        call = parse_call(body.strip())
+        if self._open is None and call is None:
+            return START + body + closing  # not a call after all: it stays text
+        if self._open is None:  # a call of another head: whole, in one delta
+            out += delta_calls([call], self.opened)
+            self.opened += 1
+        else:
+            if call is not None:
+                out += self._progress(body, whole=True)
+                call = ToolCall(id=self._open.id, function=FunctionCall(name=self._open.name,
+                                                                        arguments=call.function.arguments))
+            self._open = None
+        if call is not None:
+            self.calls.append(call)
+        return ""
+
+
 def auto_parser(fmt: str = "hermes") -> HermesParser | WholeOutputParser:
-    """The streaming parser of `tool_choice: "auto"` for the model's tool-call format."""
+    """The parser of `tool_choice: "auto"` for the model's tool-call format."""
     return HermesParser() if fmt == "hermes" else WholeOutputParser(fmt, _call)
+
+
+def stream_parser(fmt: str = "hermes") -> HermesStreamParser | WholeOutputParser:
+    """The streaming parser of `tool_choice: "auto"`: Hermes calls' arguments as they come; other
+    formats' calls whole when the output ends (`tool_formats.py`)."""
+    return HermesStreamParser() if fmt == "hermes" else WholeOutputParser(fmt, _call)
 
 
 def split_calls(text: str, mode: str, fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:
