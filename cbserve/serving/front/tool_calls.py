@@ -84,14 +84,10 @@ class HermesParser:
         content, done = "", []
         while True:
             if not self._in_call:
-                at = self._buf.find(START)
-                if at < 0:
-                    keep = partial_tail(self._buf, START)
-                    content += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                shown = self._to_call()
+                content += shown[0]
+                if not shown[1]:
                     break
-                content += self._buf[:at]
-                self._buf, self._in_call = self._buf[at + len(START):], True
             else:
                 at = self._buf.find(END)
                 if at < 0:
@@ -99,6 +95,17 @@ class HermesParser:
                 body, self._buf, self._in_call = self._buf[:at], self._buf[at + len(END):], False
                 content += self._take(body, closed=True, out=done)
         return content, done
+
+    def _to_call(self) -> tuple[str, bool]:
+        """Outside a call: (the text before the next start tag, whether one was found); a tail
+        that may begin a start tag stays buffered."""
+        at = self._buf.find(START)
+        if at < 0:
+            keep = partial_tail(self._buf, START)
+            shown, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            return shown, False
+        shown, self._buf, self._in_call = self._buf[:at], self._buf[at + len(START):], True
+        return shown, True
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """The end of the text: an unclosed call is still a call when its JSON is complete."""
@@ -147,14 +154,10 @@ class HermesStreamParser(HermesParser):
         content, out = "", []
         while True:
             if not self._in_call:
-                at = self._buf.find(START)
-                if at < 0:
-                    keep = partial_tail(self._buf, START)
-                    content += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                shown = self._to_call()
+                content += shown[0]
+                if not shown[1]:
                     return content, out
-                content += self._buf[:at]
-                self._buf, self._in_call = self._buf[at + len(START):], True
                 continue
             at = self._buf.find(END)
             if at < 0:  # not what may be the start of the end tag
