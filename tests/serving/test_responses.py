@@ -77,6 +77,7 @@ def test_input_items_become_the_chat_messages_they_mean() -> None:
     assert chat.max_tokens == 7 and chat.tools[0].function.name == "get_weather" and not chat.parallel_tool_calls
     assert chat.tool_choice.function.name == "get_weather" and chat.reasoning_effort == "low"
     assert chat.response_format.type == "json_schema"
+    assert _chat_of(_req(input="hi", safety_identifier="t1")).user == "t1"  # the fair-share tenant, as `user`
 
 
 @pytest.mark.parametrize(("body", "param"), [

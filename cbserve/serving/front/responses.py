@@ -52,7 +52,7 @@ class ResponsesRequest(Strict):
     metadata: dict[str, str] | None = Field(None, max_length=16)  # kept with the response, not used
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: str | None = None
-    safety_identifier: str | None = Field(None, max_length=64)  # IGNORED: no moderation here
+    safety_identifier: str | None = Field(None, max_length=64)  # OpenAI's successor of `user`: the tenant
     truncation: Literal["disabled"] | None = None
     store: bool | None = None  # None: stored, as OpenAI does
     previous_response_id: str | None = Field(None, max_length=256)
@@ -228,7 +228,7 @@ def to_chat(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCo
             "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
             "stream_options": {"include_usage": True} if req.stream else None, "tools": _tools(req),
             "tool_choice": _tool_choice(req.tool_choice), "response_format": _response_format(req.text),
-            "reasoning_effort": _reasoning_effort(req.reasoning), "user": req.user,
+            "reasoning_effort": _reasoning_effort(req.reasoning), "user": req.user or req.safety_identifier,
             "service_tier": req.service_tier, "prompt_cache_key": req.prompt_cache_key}
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
