@@ -85,7 +85,7 @@ def bounded_load_choice(walk: Sequence[R], loads: dict[R, int], load_factor: flo
 def two_choices(candidates: Sequence[R], key: Callable[[R], tuple[float, ...]],
                 rng: random.Random | None = None) -> list[R]:
     """Two distinct candidates drawn at random, the better (smaller `key`) first; one when there
-    is only one."""
-    if len(candidates) <= 2:
-        return sorted(candidates, key=key)
-    return sorted((rng or random).sample(list(candidates), 2), key=key)
+    is only one. Ties keep the random draw's order: routing decisions made concurrently on one
+    stale view (all awaiting the same queue-length probe) would otherwise all pick the first
+    candidate Serve lists."""
+    return sorted((rng or random).sample(list(candidates), min(2, len(candidates))), key=key)

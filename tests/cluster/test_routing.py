@@ -120,6 +120,9 @@ def test_two_choices_do_not_herd_on_a_stale_view() -> None:
     assert len(sent) == 4 and max(sent.values()) < 45  # r0 wins only the draws it is in (1/2)
     assert two_choices(["x"], lambda r: (0,)) == ["x"]
     assert two_choices(["x", "y"], lambda r: (r == "x",)) == ["y", "x"]
+    # Equal loads: either may come first (a fixed order would herd concurrent decisions).
+    firsts = collections.Counter(two_choices(["x", "y"], lambda r: (0,), routers[0])[0] for _ in range(100))
+    assert set(firsts) == {"x", "y"} and min(firsts.values()) > 30
 
 
 # ---- the Serve router over fake replicas ------------------------------------------------------
