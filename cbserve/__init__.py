@@ -7,7 +7,7 @@ from cbserve.api import (
     init_continuous_batching,
 )
 from cbserve.compat import attach, detach
-from cbserve.config import ContinuousBatchingConfig
+from cbserve.config import ContinuousBatchingConfig, SpeculativeConfig
 from cbserve.errors import InvalidRequestError, QueueFullError
 from cbserve.manager import ContinuousBatchingManager
 from cbserve.models import load_model, load_model_shard
@@ -23,6 +23,7 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RequestStatus",
+    "SpeculativeConfig",
     "StructuredOutputs",
     "attach",
     "continuous_batching",

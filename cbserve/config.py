@@ -25,6 +25,33 @@ DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 DEFAULT_PARENT_STEP_TOKENS: dict[str, int] = {}
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's field names): each step, a decoding request's next tokens are
+    proposed and verified by the model in the same forward pass (`scheduler/ngram.py`,
+    `workers/speculative.py`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = Field(
+        "ngram", description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
+        "request's last n tokens (in its prompt or output); no extra model"
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="most tokens proposed per request per step")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest n-gram matched (tried first)")
+    prompt_lookup_min: int = Field(2, ge=1, le=64, description="shortest n-gram matched")
+    disable_by_batch_size: int | None = Field(
+        8, ge=1, description="no proposals in a step with this many decoding requests or more: the step is then "
+        "bound by compute, not by reading the weights, and verifying proposals would cost throughput; None: always"
+    )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
+
+
 class ContinuousBatchingConfig(BaseModel):
     """Every field of SPEC section 3, with `transformers`' names and defaults.
 
@@ -93,6 +120,10 @@ class ContinuousBatchingConfig(BaseModel):
         "none", description="auto: a model loaded from a GGUF file (cbserve.load_model) runs its Q8_0 / Q4_0 / "
         "Q4_1 linear layers and embedding on the file's own blocks (kernels/quantized.py; replaced in the model, "
         "in place), other tensors stay dense; none: dense weights as loaded"
+    )
+    speculative: SpeculativeConfig | None = Field(
+        None, description="speculative decoding (a SpeculativeConfig or a dict of its fields); None: off. A request "
+        "opts out with speculative=False; requests with logits processors, a grammar or prompt logprobs never speculate"
     )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
@@ -194,6 +225,18 @@ class ContinuousBatchingConfig(BaseModel):
                 raise ValueError("use_cuda_graph=True needs a CUDA device, and none is available")
             if self.use_async_batching:
                 raise ValueError("use_async_batching=True needs a CUDA device, and none is available")
+        return self
+
+    @model_validator(mode="after")
+    def _speculative_needs(self) -> ContinuousBatchingConfig:
+        if self.speculative is None:
+            return self
+        if self.use_async_batching:
+            raise ValueError("speculative decoding cannot be combined with use_async_batching (a step's tokens must "
+                             "be verified on the host before the next step is planned)")
+        if self.batch_invariant:
+            raise ValueError("speculative decoding cannot be combined with batch_invariant=True: a verified token's "
+                             "logits come from a multi-row pass whose reduction order differs from a decode row's")
         return self
 
     @model_validator(mode="after")

@@ -209,7 +209,8 @@ class ContinuousBatchingManager:
         `validation.OPTIONS`), with `per_request_processors=True`; `grammar=` a constraint compiled
         by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
         `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;
-        `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt)."""
+        `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt);
+        `speculative=False` keeps the request out of the engine's speculative decoding."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -233,6 +234,7 @@ class ContinuousBatchingManager:
                 raise self._loop.refusal()
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
+            speculative = validation.speculative(sampling_args.pop("speculative", True))
             share = validation.scheduling(self.config.priority_scheduling, **{
                 k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS if k in sampling_args})
             sampling = self._sampling(sampling_args)
@@ -251,6 +253,7 @@ class ContinuousBatchingManager:
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)
                 requests[-1].cache_salt = cache_salt
+                requests[-1].speculative = speculative
                 new_ids.add(request_id)
             # All valid: queue them, prompts sharing prefixes next to each other.
             self._loop.queue(sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests,

@@ -101,6 +101,8 @@ class Request:
     # vLLM's cache_salt: mixed into the hash of the first page, so this request's prefix pages are
     # shared only with requests of the same salt (none: only with requests without one).
     cache_salt: str | None = None
+    # Speculative decoding, when the engine has it: False opts this request out.
+    speculative: bool = True
     # Leading pages given back because they left every layer's sliding window.
     num_released_blocks: int = 0
     # Host pool pages holding this request's KV while it is evicted (CPU offload).
@@ -147,6 +149,14 @@ class Request:
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: what async batching can sample on the device."""
         return self.sampling.plain_greedy and self.grammar is None
+
+    @property
+    def may_speculate(self) -> bool:
+        """Its next tokens may be proposed and verified in one pass: nothing makes a token's
+        distribution depend on the proposals before it (logits processors, a grammar) and no
+        prompt logprobs are owed."""
+        return (self.speculative and self.grammar is None and not self.sampling.processes_logits
+                and not self.wants_prompt_logprobs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

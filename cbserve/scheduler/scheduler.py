@@ -17,6 +17,11 @@ first, after `priority`; one parent's choices take at most `parent_share` of `ma
 the running set, so there is always room to admit another request, and at most
 `parent_step_tokens` of a step; while a newcomer is owed its first token, the others take at most
 `held_step_tokens` of the step (`StepLimits`), so that its first step is short.
+
+With speculative decoding, a decoding request's row carries the tokens the proposer
+(`ngram.py`) expects next: its K/V rows are written and its logits verified in the same pass
+(`workers/speculative.py`), and the pass's result holds each of its accepted tokens and one more.
+The proposals count in the step's token budget; only the verified ones count as computed.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cbserve.config import SpeculativeConfig
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.fair_share import FairShare, StepLimits
 from cbserve.scheduler.host_pages import HostPages, KVTransfer
+from cbserve.scheduler.ngram import NgramProposer
 from cbserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -41,6 +48,9 @@ class ScheduledRequest:
     num_query_tokens: int
     # The chunk reaches the end of the request's tokens, so its last logits are sampled.
     sample: bool
+    # Speculative decoding: tokens proposed to follow the request's last one, in the chunk after
+    # it (num_query_tokens = 1 + len(draft)); each of their rows' logits is verified.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -58,7 +68,8 @@ class StepResult:
     request drawn for, in row order, its token and, when asked, its log-probability and top
     (token, logprob) pairs; and the requests that cannot go on, each with its own fault. A request
     in both had its token refused by its own state (grammar, logits processors): the token is
-    kept, and the request fails."""
+    kept, and the request fails. A request that speculated appears once per token it gets, in a
+    row: its accepted proposals, then the token drawn after them."""
 
     tokens: list[int]
     logprobs: list[float] | None = None
@@ -80,6 +91,7 @@ class Scheduler:
         release_window: int | None = None,
         parent_step_tokens: int | None = None,
         held_step_tokens: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -95,6 +107,8 @@ class Scheduler:
         # Query tokens per step: of one parent's choices; of others while a newcomer is owed (`StepLimits`).
         self.parent_step_tokens, self.held_step_tokens = parent_step_tokens, held_step_tokens
         self._transfers: list[KVTransfer] = []
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.speculate_below = speculative.disable_by_batch_size if speculative is not None else None
         # With sliding-window layers only: how far back a query sees (pages before are released).
         self.release_window = release_window
         # Called with each pass's advanced entries, before their tokens are taken (the node pool).
@@ -105,6 +119,12 @@ class Scheduler:
         self.num_steps = 0  # forward passes taken (`update`)
         self.num_prompt_tokens = 0  # prompt tokens computed (not recomputed after a preemption)
         self.num_generated_tokens = 0
+        # Speculative decoding (vLLM's counters): steps a request speculated in, tokens proposed,
+        # tokens accepted, and accepted by position in the proposal.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * (speculative.num_speculative_tokens if speculative is not None else 0)
 
     @property
     def has_work(self) -> bool:
@@ -140,15 +160,21 @@ class Scheduler:
         order = decodes + prefills if self.policy == "fifo" else prefills + decodes
         scheduled: set[int] = set()
         limits = self._step_limits(ranked)
+        speculate = self.proposer is not None and (self.speculate_below is None or len(decodes) < self.speculate_below)
         for request in order:
             if budget == 0 or len(batch) == self.max_requests:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num = limits.room(request, min(request.num_pending, budget))
+            draft = self._draft(request) if speculate and request.num_pending == 1 else []
+            num = limits.room(request, min(request.num_pending + len(draft), budget))
             if num == 0 or not self._allocate_or_preempt(request, num, scheduled):
                 continue
-            batch.append(ScheduledRequest(request, num, num == request.num_pending))
+            draft = draft[: max(0, num - request.num_pending)]
+            if draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
+            batch.append(ScheduledRequest(request, num, num >= request.num_pending, draft))
             self.shares.charge(request, num)
             limits.take(request, num)
             scheduled.add(id(request))
@@ -158,6 +184,13 @@ class Scheduler:
             batch.sort(key=lambda s: s.request.num_pending == 1)
         transfers, self._transfers = self._transfers, []
         return StepPlan(batch, transfers)
+
+    def _draft(self, request: Request) -> list[int]:
+        """The proposed next tokens of a decoding request: none past its max_new_tokens (the
+        token drawn after them is its own), none for one that may not speculate."""
+        if not request.may_speculate or request.num_inflight:
+            return []
+        return self.proposer.propose(request.tokens, request.max_new_tokens - len(request.generated) - 1)
 
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num
@@ -334,7 +367,7 @@ class Scheduler:
             request = s.request
             if not request.generated:
                 self.num_prompt_tokens += s.num_query_tokens
-            request.num_computed += s.num_query_tokens
+            request.num_computed += s.num_query_tokens - len(s.draft)  # proposals: once verified (`_take`)
             if request.status == RequestStatus.PREFILLING and s.sample:
                 request.status = RequestStatus.DECODING
             bm.register_full_pages(request)
@@ -352,18 +385,28 @@ class Scheduler:
         refused = [r for r, fault in result.faults if id(r) not in drawn]  # nothing drawn for them
         for request in refused:
             self.fail(request, faults[id(request)])
-        live = [i for i, r in enumerate(result.requests) if r.live]
-        for i in live:
-            request = result.requests[i]
-            request.num_inflight -= was_in_flight
+        updated: dict[int, Request] = {}
+        previous, position = None, 0
+        for i, request in enumerate(result.requests):
+            repeat, previous = request is previous, request
+            position = position + 1 if repeat else 0
+            if not request.live:  # finished before this pass, or on an earlier token of its run
+                continue
+            if repeat:  # an accepted proposal came before: this pass wrote its K/V
+                request.num_computed += 1
+                self.num_accepted_tokens += 1
+                self.accepted_per_position[position - 1] += 1
+            else:
+                request.num_inflight -= was_in_flight
             request.append_token(result.tokens[i], result.logprobs[i] if result.logprobs is not None else None,
                                  result.top_logprobs[i] if result.top_logprobs is not None else None)
+            updated[id(request)] = request
             self.num_generated_tokens += 1
             if id(request) in faults:
                 self.fail(request, faults[id(request)])
             elif (reason := request.stop_reason()) is not None:
                 self.finish(request, RequestStatus.FINISHED, reason)
-        return refused + [result.requests[i] for i in live]
+        return refused + list(updated.values())
 
     def fail(self, request: Request, error: BaseException) -> None:
         """One request cannot go on (a fault of its own): it alone fails, its pages freed."""

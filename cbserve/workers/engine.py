@@ -28,8 +28,10 @@ from cbserve.scheduler.scheduler import StepPlan, StepResult
 from cbserve.workers import model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.generation_config import sampling_params as generation_config_sampling
+from cbserve.workers.model_runner import num_sampled_rows
 from cbserve.workers.parallel.groups import TensorParallelError
 from cbserve.workers.sampler import prompt_logprobs
+from cbserve.workers.speculative import sample_with_drafts
 from cbserve.workers.structured import Grammar
 
 if TYPE_CHECKING:
@@ -300,6 +302,7 @@ class EngineCore:
             logits = self.runner.run(kwargs)
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
+        num_rows = num_sampled_rows(sampled)
         if launch_async:  # this pass's greedy tokens stay on the device; the previous pass's are read
             launched = launch_greedy(logits, requests, self.config.return_logprobs)
             updated = self._update(None, in_flight.results()) if in_flight is not None else []
@@ -307,9 +310,13 @@ class EngineCore:
             self._in_flight = launched
         else:
             if self.runner.prompt_chunks:  # their rows follow the sampled ones
-                prompt_logprobs(logits[len(requests):], self.runner.prompt_chunks)
-            result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
-                      else StepResult([]))
+                prompt_logprobs(logits[num_rows:], self.runner.prompt_chunks)
+            if num_rows > len(requests):  # some requests verify proposed tokens
+                result = sample_with_drafts(self.sampler, logits[:num_rows], requests, [s.draft for s in sampled],
+                                            self.config.return_logprobs)
+            else:
+                result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
+                          else StepResult([]))
             updated += self._update(plan, result)
         self.timings["schedule"] += t1 - t0
         self.timings["prepare"] += t2 - t1
@@ -365,7 +372,7 @@ class EngineCore:
     def prompt_tokens_computed(self) -> int:
         return self.scheduler.num_prompt_tokens
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         host = self.scheduler.host_pages
         return {
             "running": len(self.scheduler.running),
@@ -382,5 +389,9 @@ class EngineCore:
             "node_pool_hit_tokens": host.num_node_hit_tokens if host else 0,
             "steps": self.num_steps,
             "busy_seconds": self.busy_seconds,
+            "spec_decode_num_drafts": self.scheduler.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.accepted_per_position),
         }
 

@@ -81,7 +81,7 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     scheduler = Scheduler(block_manager, sizes.max_batch_tokens, sizes.max_requests, config.scheduler,
                           config.resolved_safety_margin, host_pages, config.parent_share, sizes.release_window,
                           parent_step_tokens=config.resolved_parent_step_tokens(device.type),
-                          held_step_tokens=config.held_step_tokens)
+                          held_step_tokens=config.held_step_tokens, speculative=config.speculative)
     if node_pool is not None:  # computed prompt pages, for the node's other engines
         scheduler.on_computed = node_pool.after_step
     attention_backend = attention_backends.select(config.attention_backend, device, config.page_size,

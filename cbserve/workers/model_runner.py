@@ -32,6 +32,11 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_query_tokens == 1 and s.sample and s.request.num_computed > 0
 
 
+def num_sampled_rows(sampled: list[ScheduledRequest]) -> int:
+    """Logits rows of `prepare`'s sampled requests: one each, and one per proposed token."""
+    return sum(1 + len(s.draft) for s in sampled)
+
+
 class ModelRunner:
     """`prepare()` builds the packed inputs; `run()` calls the (compiled) model.
 
@@ -55,6 +60,7 @@ class ModelRunner:
         # The last prepared step's prompt-logprob rows, after its sampled rows in the logits:
         # (request, first prompt position they predict, how many).
         self.prompt_chunks: list[tuple[ScheduledRequest, int, int]] = []
+        self.has_drafts = False  # the last prepared step verifies proposed tokens
         # Pinned double-buffered copies on CUDA; on a CPU, .to() is a no-op.
         self.staging = InputStaging(self.device) if self.device.type == "cuda" else None
 
@@ -66,13 +72,15 @@ class ModelRunner:
     def prepare(self, batch: list[ScheduledRequest], in_flight: InFlightStep | None = None
                 ) -> tuple[dict, list[ScheduledRequest]]:
         """Packed inputs with decode rows first; returns the forward kwargs and the requests
-        whose last logits are sampled, in the order of the logits rows.
+        whose last logits are sampled, in the order of the logits rows (a request with a draft
+        has a row for its last token and one per proposed token: `num_sampled_rows`).
 
         Host work is O(batch + new tokens): block tables come from `BlockTables` rows that only
         grow by the pages allocated since the last step. With async batching, a decode row whose
         token the host has not seen yet takes it from `in_flight`'s tokens, on the device.
         """
         decodes = [s for s in batch if is_decode(s)]
+        self.has_drafts = any(s.draft for s in batch)
         prefills = [s for s in batch if not is_decode(s)]
         ordered = decodes + prefills
         context_lens = [s.request.num_computed + s.num_query_tokens for s in ordered]
@@ -152,13 +160,13 @@ class ModelRunner:
         for i, s in enumerate(prefills, start=first):
             req, n = s.request, s.num_query_tokens
             start = req.num_computed
-            rows.input_ids.extend(req.tokens[start : start + n])
+            rows.input_ids.extend(req.tokens[start : start + n] + s.draft)  # a draft follows the last token
             rows.positions.append(torch.arange(start, start + n))
             rows.slots.append(self._slots(table[i], start, start + n))
             chunks.append(PrefillChunk(row, row + n, start, table[i : i + 1], self.page_size))
             row += n
             if s.sample:
-                rows.sample_rows.append(row - 1)
+                rows.sample_rows.extend(range(row - 1 - len(s.draft), row))
             if req.wants_prompt_logprobs:
                 self._keep_prompt_rows(rows, s, row - n)
         return chunks
@@ -182,7 +190,7 @@ class ModelRunner:
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
         meta = kwargs["cb_meta"]
-        if self.graphs is not None and not self.prompt_chunks:  # graphs keep one row per request
+        if self.graphs is not None and not self.prompt_chunks and not self.has_drafts:  # graphs: one row per request
             logits = self.graphs.run(kwargs)
             if logits is not None:
                 return logits.float()

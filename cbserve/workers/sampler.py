@@ -40,7 +40,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return logits
 
 
-def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """transformers' MinPLogitsWarper per row: drop tokens below min_p times the top token's
     probability (the top token is always kept)."""
     probs = logits.softmax(dim=-1)
@@ -85,6 +85,10 @@ class Sampler:
         self._seeded: dict[str, torch.Generator] = {}
         self.processing = LogitsProcessing(vocab_size)
 
+    def generator_of(self, request: Request) -> torch.Generator:
+        """The generator `request`'s draws come from: its own when seeded, else the engine's."""
+        return self._generator(request.request_id, request.sampling)
+
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self.generator
@@ -128,7 +132,7 @@ class Sampler:
             rows = torch.tensor(sampled_rows)
             sub = process_logits(logits[rows], [params[i] for i in sampled_rows])
             if any(params[i].min_p > 0 for i in sampled_rows):
-                sub = _min_p(sub, torch.tensor([params[i].min_p for i in sampled_rows], dtype=sub.dtype))
+                sub = min_p_filter(sub, torch.tensor([params[i].min_p for i in sampled_rows], dtype=sub.dtype))
             cdf = sub.softmax(dim=-1).cumsum(dim=-1)
             # One uniform draw per row from the row's own generator when seeded, so a seeded
             # request gives the same tokens whatever else shares its batch.

@@ -86,6 +86,13 @@ def cache_salt(value: Any) -> str | None:
     return value
 
 
+def speculative(value: Any) -> bool:
+    """A request's `speculative`: True (the engine's speculative decoding, when configured) or False."""
+    if not isinstance(value, bool):
+        raise InvalidRequestError("speculative", f"speculative must be true or false, got {type(value).__name__}")
+    return value
+
+
 def max_new_tokens(value: Any) -> int:
     if not _is_int(value) or value < 1:
         raise InvalidRequestError("max_new_tokens", f"max_new_tokens must be a positive integer (>= 1), got {value!r}")

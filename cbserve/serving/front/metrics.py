@@ -62,6 +62,19 @@ class WorkerStatsCollector:
                       lambda s: s.get("prefix_hit_tokens", 0))
         yield counter("vllm:num_preemptions", "Requests preempted by the engine (pages needed elsewhere).",
                       lambda s: s.get("preemptions", 0))
+        yield counter("vllm:spec_decode_num_drafts", "Speculative decoding: requests' steps with proposed tokens.",
+                      lambda s: s.get("spec_decode_num_drafts", 0))
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed.",
+                      lambda s: s.get("spec_decode_num_draft_tokens", 0))
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted.",
+                      lambda s: s.get("spec_decode_num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative decoding: proposed tokens accepted, by position in the proposal.",
+                                      labels=[*labels, "position"])
+        for replica, s in self.snapshot.items():
+            for position, accepted in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+                per_pos.add_metric([self._model_name, replica, str(position)], float(accepted))
+        yield per_pos
         yield counter("cbserve:engine_steps", "Forward steps the engine ran.", lambda s: s.get("steps", 0))
         yield counter("cbserve:engine_busy_seconds", "Wall time the engine spent in its steps (busy share = "
                       "its rate).", lambda s: s.get("busy_seconds", 0.0))

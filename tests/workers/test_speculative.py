@@ -1,0 +1,282 @@
+"""Speculative decoding (n-gram prompt lookup): greedy tokens and logprobs equal `generate()`'s
+on tiny float64 models of each family, with proposals accepted and rejected; sampled tokens keep
+the target distribution (the rejection rule, by enumeration and by draws); the scheduler's
+budget, limits, opt-outs and counters; the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import cbserve
+from cbserve.config import SpeculativeConfig
+from cbserve.errors import InvalidRequestError
+from cbserve.scheduler.ngram import NgramProposer
+from cbserve.scheduler.request import SamplingParams
+from cbserve.workers import speculative
+from cbserve.workers.factory import build_engine
+from tests.support.exactness import model_for, run_engine
+from tests.support.tiny_models import random_prompts, reference_generate
+
+MAX_NEW = 32
+SPEC = {"num_speculative_tokens": 4, "disable_by_batch_size": None}  # 8 prompts decode at once
+
+
+def _repetitive_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves (the proposer finds n-grams in them), and two that do not."""
+    prompts = []
+    for seed in (4, 7):  # seeds whose greedy outputs, on every family, repeat n-grams (proposals accepted)
+        for n in (5, 12, 30):
+            seg = random_prompts([n], seed=seed)[0]
+            prompts.append(seg + seg[: n // 2] + seg)
+    return prompts + random_prompts([3, 17], seed=9)
+
+
+def _reference(arch: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    return [reference_generate(model_for(arch), p, MAX_NEW) for p in prompts]
+
+
+def _assert_equal(requests, refs) -> None:
+    for request, (tokens, logprobs) in zip(requests, refs):
+        assert request.generated == tokens, request.request_id
+        assert request.logprobs == pytest.approx(logprobs, abs=1e-6), request.request_id
+
+
+# ---- greedy: exact -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2"])
+def test_greedy_speculation_equals_generate(arch: str) -> None:
+    prompts = _repetitive_prompts()
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, max_batch_tokens=128, return_logprobs=True,
+                                           speculative=SPEC)
+    requests, engine = run_engine(model_for(arch), prompts, cfg, max_new=MAX_NEW)
+    _assert_equal(requests, _reference(arch, prompts))
+    s = engine.scheduler
+    # Proposals were made, some accepted and (but on the tiny Gemma 2, which loops on one token
+    # whatever its prompt) some rejected: both paths of verification ran.
+    assert 0 < s.num_accepted_tokens <= s.num_draft_tokens, (s.num_accepted_tokens, s.num_draft_tokens)
+    assert arch == "gemma2" or s.num_accepted_tokens < s.num_draft_tokens
+    assert sum(s.accepted_per_position) == s.num_accepted_tokens
+    assert s.num_generated_tokens == MAX_NEW * len(prompts)
+
+
+def test_speculation_with_preemption_chunked_prefill_and_prefix_hits() -> None:
+    """A cache too small for every request (preemption and recompute), a budget that chunks the
+    prompts, pages of 4 tokens, and prompts sharing a prefix (prefix-cache hits)."""
+    base = _repetitive_prompts()
+    prompts = base + [base[2][:40] + p for p in random_prompts([6, 9], seed=5)]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=4, num_blocks=70, max_batch_tokens=24, return_logprobs=True,
+                                           speculative=SPEC)
+    requests, engine = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW)
+    _assert_equal(requests, _reference("llama", prompts))
+    s = engine.scheduler
+    assert s.num_preemptions > 0 and s.prefix_hit_tokens > 0 and s.num_accepted_tokens > 0
+
+
+def test_accepting_every_proposal_is_caught(monkeypatch) -> None:
+    """The comparison can fail: a verifier that accepts every proposal changes the output."""
+    def credulous(rows, draft, params, generator):
+        return list(draft) + [int(rows[len(draft)].argmax())], rows
+
+    monkeypatch.setattr(speculative, "accept", credulous)
+    prompts = _repetitive_prompts()
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True, speculative=SPEC)
+    requests, _ = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW)
+    with pytest.raises(AssertionError):
+        _assert_equal(requests, _reference("llama", prompts))
+
+
+def test_eos_inside_accepted_proposals_ends_the_request() -> None:
+    """A request whose accepted proposals include EOS ends there: the tokens after it are dropped."""
+    prompts = _repetitive_prompts()
+    refs = _reference("llama", prompts)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True, speculative=SPEC)
+    # Ungated: find a request whose speculation accepted tokens, and make its 6th greedy token EOS.
+    eos = refs[5][0][5]
+    requests, _ = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW, eos_token_id=eos)
+    for request, (tokens, _) in zip(requests, refs):
+        expected = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+        assert request.generated == expected, request.request_id
+
+
+# ---- sampled: the target distribution ----------------------------------------------------------
+
+
+def _target(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from cbserve.workers.sampler import process_logits
+
+    return process_logits(rows, [params] * rows.shape[0]).softmax(dim=-1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(do_sample=True, temperature=0.8),
+                                    SamplingParams(do_sample=True, temperature=1.3, top_k=4, top_p=0.9)])
+def test_rejection_rule_keeps_the_target_distribution(params: SamplingParams) -> None:
+    """Draws of (first, second) token with a 2-token proposal match the target's joint
+    distribution p0(x) * p1(y | x = proposal) (chi-square over the cells)."""
+    torch.manual_seed(0)
+    vocab, draft = 6, [2, 4]
+    rows = torch.randn(3, vocab, dtype=torch.float64) * 1.5
+    p = _target(rows, params)
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    counts: dict[tuple[int, int | None], int] = {}
+    for _ in range(n):
+        tokens, _ = speculative.accept(rows, draft, params, g)
+        key = (tokens[0], tokens[1] if tokens[0] == draft[0] else None)
+        counts[key] = counts.get(key, 0) + 1
+    expected = {}
+    for x in range(vocab):
+        if x == draft[0]:
+            for y in range(vocab):
+                expected[(x, y)] = n * float(p[0, x] * p[1, y])
+        else:
+            expected[(x, None)] = n * float(p[0, x])
+    assert set(counts) <= {k for k, e in expected.items() if e > 0}  # nothing outside the support
+    cells = [(counts.get(k, 0), e) for k, e in expected.items() if e > 0]
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)  # ~5 sigma: fails only when biased
+
+
+def test_greedy_acceptance_rule() -> None:
+    rows = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    greedy = SamplingParams()
+    assert speculative.accept(rows, [1, 0], greedy, torch.Generator())[0] == [1, 0, 2]  # all accepted, one more
+    assert speculative.accept(rows, [1, 2], greedy, torch.Generator())[0] == [1, 0]  # second rejected
+    assert speculative.accept(rows, [2, 0], greedy, torch.Generator())[0] == [1]  # first rejected
+
+
+def test_sampled_logprobs_are_the_target_models() -> None:
+    """A seeded sampled request that speculated: each reported logprob is the token's under the
+    temperature-scaled distribution of the model's own forward pass over prompt + output (the
+    tiny Gemma 2: its outputs loop, so proposals are accepted even when sampling)."""
+    model = model_for("gemma2")
+    prompt = _repetitive_prompts()[5]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True, speculative=SPEC)
+    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=True, temperature=0.5, eos_token_id=None)
+    engine = build_engine(model, gc, cfg)
+    try:
+        request = engine.make_request(prompt, "r", sampling=SamplingParams(do_sample=True, temperature=0.5, seed=3))
+        engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+        assert engine.scheduler.num_accepted_tokens > 0
+    finally:
+        engine.release_model()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + request.generated])).logits[0, len(prompt) - 1 : -1]
+    expected = (logits / 0.5).log_softmax(-1).gather(1, torch.tensor(request.generated)[:, None]).squeeze(1)
+    assert request.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+# ---- the proposer and the scheduler -----------------------------------------------------------
+
+
+def test_ngram_proposer() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3))
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4], 10) == [5, 9, 2]  # the 3-gram "2 3 4"
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4], 2) == [5, 9]  # the limit (max_new_tokens)
+    assert proposer.propose([7, 8, 1, 7, 8, 2, 7, 8], 10) == [2, 7, 8]  # the latest occurrence
+    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
+    assert proposer.propose([5] * 8, 10) == [5, 5, 5]  # a loop: the latest occurrence followed by k tokens
+    assert proposer.propose([5] * 5, 10) == [5, 5]  # none followed by k: the longest continuation
+    assert proposer.propose([1, 2, 1, 2], 0) == []
+
+
+def _engine(cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW, arch: str = "llama"):
+    return build_engine(model_for(arch), GenerationConfig(max_new_tokens=max_new, do_sample=False,
+                                                             eos_token_id=None), cfg)
+
+
+def test_no_proposals_past_max_new_tokens_and_within_the_budget() -> None:
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, max_batch_tokens=6,
+                                           speculative={"num_speculative_tokens": 8})
+    engine = _engine(cfg, max_new=7, arch="gemma2")  # its outputs loop: proposals accepted
+    try:
+        requests = [engine.make_request(p, f"r{i}") for i, p in enumerate(_repetitive_prompts()[4:6])]
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_work:
+            plan_tokens = []
+            original = engine.runner.prepare
+
+            def spy(batch, in_flight=None, original=original):
+                plan_tokens.append(sum(s.num_query_tokens for s in batch))
+                for s in batch:
+                    assert len(s.request.generated) + len(s.draft) < s.request.max_new_tokens
+                    if s.request.generated:  # accepted proposals count as computed: one token to run, and the draft
+                        assert s.num_query_tokens == 1 + len(s.draft)
+                return original(batch, in_flight)
+
+            engine.runner.prepare = spy
+            engine.step()
+            engine.runner.prepare = original
+            assert all(t <= 6 for t in plan_tokens)
+        assert all(len(r.generated) == 7 for r in requests)
+        assert engine.scheduler.num_accepted_tokens > 0
+    finally:
+        engine.release_model()
+
+
+def test_who_speculates() -> None:
+    """No proposals for a request that opted out, one with logits processors or a grammar-free
+    penalty, or when the step has disable_by_batch_size decoding requests."""
+    prompt = _repetitive_prompts()[5]
+    cases = {
+        "opted out": dict(speculative=False),
+        "penalty": dict(sampling=SamplingParams(repetition_penalty=1.2)),
+    }
+    for name, kwargs in cases.items():
+        engine = _engine(cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, speculative=SPEC))
+        try:
+            request = engine.make_request(prompt, "r", sampling=kwargs.get("sampling"))
+            request.speculative = kwargs.get("speculative", True)
+            engine.add_request(request)
+            while engine.has_work:
+                engine.step()
+            assert engine.scheduler.num_draft_tokens == 0, name
+        finally:
+            engine.release_model()
+    crowded = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200,
+                                               speculative={**SPEC, "disable_by_batch_size": 2})
+    requests, engine = run_engine(model_for("llama"), [prompt, prompt[1:]], crowded, max_new=MAX_NEW)
+    assert engine.scheduler.num_draft_tokens == 0
+    requests, engine = run_engine(model_for("llama"), [prompt], crowded, max_new=MAX_NEW)
+    assert engine.scheduler.num_draft_tokens > 0
+
+
+def test_manager_per_request_opt_out_and_stats() -> None:
+    prompt = _repetitive_prompts()[5]
+    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, speculative=SPEC)
+    with cbserve.continuous_batching(model_for("llama"), gc, cfg) as manager:
+        manager.add_request(prompt, request_id="off", speculative=False)
+        out = manager.get_result("off", timeout=60)
+        while not out.is_finished():
+            out = manager.get_result("off", timeout=60)
+        assert manager.stats()["spec_decode_num_draft_tokens"] == 0
+        manager.add_request(prompt, request_id="on")
+        on = manager.get_result("on", timeout=60)
+        while not on.is_finished():
+            on = manager.get_result("on", timeout=60)
+        stats = manager.stats()
+        assert on.generated_tokens == out.generated_tokens
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+        assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
+        with pytest.raises(InvalidRequestError, match="speculative"):
+            manager.add_request(prompt, speculative="yes")
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        cbserve.ContinuousBatchingConfig(speculative=SPEC, batch_invariant=True)
+    with pytest.raises(ValueError, match="method"):
+        cbserve.ContinuousBatchingConfig(speculative={"method": "eagle"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        cbserve.ContinuousBatchingConfig(speculative={"num_speculative_tokens": 0})
