@@ -204,7 +204,7 @@ def test_no_proposals_past_max_new_tokens_and_within_the_budget() -> None:
             plan_tokens = []
             original = engine.runner.prepare
 
-            def spy(batch, in_flight=None, original=original):
+            def spy(batch, in_flight=None, original=original, plan_tokens=plan_tokens):
                 plan_tokens.append(sum(s.num_query_tokens for s in batch))
                 for s in batch:
                     assert len(s.request.generated) + len(s.draft) < s.request.max_new_tokens
@@ -223,12 +223,11 @@ def test_no_proposals_past_max_new_tokens_and_within_the_budget() -> None:
 
 
 def test_who_speculates() -> None:
-    """No proposals for a request that opted out, one with logits processors or a grammar-free
-    penalty, or when the step has disable_by_batch_size decoding requests."""
+    """No proposals for a request that opted out, one with logits processors (a penalty), or when the step has disable_by_batch_size decoding requests."""
     prompt = _repetitive_prompts()[5]
     cases = {
-        "opted out": dict(speculative=False),
-        "penalty": dict(sampling=SamplingParams(repetition_penalty=1.2)),
+        "opted out": {"speculative": False},
+        "penalty": {"sampling": SamplingParams(repetition_penalty=1.2)},
     }
     for name, kwargs in cases.items():
         engine = _engine(cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, speculative=SPEC))
@@ -243,9 +242,9 @@ def test_who_speculates() -> None:
             engine.release_model()
     crowded = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200,
                                                speculative={**SPEC, "disable_by_batch_size": 2})
-    requests, engine = run_engine(model_for("llama"), [prompt, prompt[1:]], crowded, max_new=MAX_NEW)
+    _, engine = run_engine(model_for("llama"), [prompt, prompt[1:]], crowded, max_new=MAX_NEW)
     assert engine.scheduler.num_draft_tokens == 0
-    requests, engine = run_engine(model_for("llama"), [prompt], crowded, max_new=MAX_NEW)
+    _, engine = run_engine(model_for("llama"), [prompt], crowded, max_new=MAX_NEW)
     assert engine.scheduler.num_draft_tokens > 0
 
 
