@@ -72,15 +72,13 @@ class ModelRunner:
     def prepare(self, batch: list[ScheduledRequest], in_flight: InFlightStep | None = None
                 ) -> tuple[dict, list[ScheduledRequest]]:
         """Packed inputs with decode rows first; returns the forward kwargs and the requests
-        whose last logits are sampled, in the order of the logits rows (a request with a draft
-        has a row for its last token and one per proposed token: `num_sampled_rows`).
+        whose last logits are sampled, in the order of the logits rows (`num_sampled_rows`).
 
         Host work is O(batch + new tokens): block tables come from `BlockTables` rows that only
         grow by the pages allocated since the last step. With async batching, a decode row whose
         token the host has not seen yet takes it from `in_flight`'s tokens, on the device.
         """
         decodes = [s for s in batch if is_decode(s)]
-        self.has_drafts = any(s.draft for s in batch)
         prefills = [s for s in batch if not is_decode(s)]
         ordered = decodes + prefills
         context_lens = [s.request.num_computed + s.num_query_tokens for s in ordered]
@@ -156,6 +154,7 @@ class ModelRunner:
         """A chunk of rows per prefill request (block-table rows from `first` on)."""
         chunks: list[PrefillChunk] = []
         self.prompt_chunks = []
+        self.has_drafts = any(s.draft for s in prefills)  # only decoding requests have drafts: never decode rows
         row = len(rows.input_ids)
         for i, s in enumerate(prefills, start=first):
             req, n = s.request, s.num_query_tokens

@@ -22,7 +22,7 @@ VALUES: dict[str, Any] = {
     "presence_penalty": 0.25, "frequency_penalty": 0.375, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [3],
     "prompt_logprobs": 1, "cache_salt": "salt",
 }
-EXPECTED = Sampling(**VALUES, logit_bias={5: 1.5}, top_logprobs=2, priority=-1)
+EXPECTED = Sampling(**VALUES, logit_bias={5: 1.5}, top_logprobs=2, priority=-1, speculative=False)
 
 
 def _service() -> OpenAIService:
@@ -36,7 +36,7 @@ def _own(block: Sampling) -> Sampling:
 
 def test_the_block_holds_only_add_request_keywords() -> None:
     engine = (set(validation.SAMPLING_FIELDS) | set(validation.OPTIONS) | set(validation.SCHEDULING_FIELDS)
-              | {"cache_salt"})
+              | {"cache_salt", "speculative"})
     assert set(Sampling.model_fields) <= engine, set(Sampling.model_fields) - engine
 
 
@@ -44,7 +44,7 @@ def test_every_front_builds_the_same_block() -> None:
     from cbserve.batch.schema import BatchLine
     from cbserve.serving.protos import generate_pb2
 
-    client = {**VALUES, "logit_bias": {"5": 1.5}, "priority": -1}
+    client = {**VALUES, "logit_bias": {"5": 1.5}, "priority": -1, "speculative": False}
     chat = _service().chat_requests(ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, n=2, **client), "chat-1")
     completion = _service().completion_requests(CompletionRequest(prompt="hi", logprobs=2, **client), "cmpl-1")
@@ -53,7 +53,8 @@ def test_every_front_builds_the_same_block() -> None:
     sampling = generate_pb2.SamplingParams(**{**VALUES, "logit_bias": {5: 1.5}}, top_logprobs=2, logprobs=True)
     grpc = grpc_service.to_worker_request(generate_pb2.GenerateRequest(prompt="hi", sampling=sampling), _service())
     assert [_own(w.sampling) for w in (chat[0], completion[0], line)] == [EXPECTED] * 3
-    assert _own(grpc.sampling) == EXPECTED.model_copy(update={"priority": None})  # no priority in the proto
+    # Neither priority nor speculative in the proto.
+    assert _own(grpc.sampling) == EXPECTED.model_copy(update={"priority": None, "speculative": None})
     assert chat[1].sampling.seed == 8  # each choice its own seed: the call's + its index
     assert [w.sampling.parent_id for w in (chat[0], completion[0], line, grpc)] == [
         "chat-1", "cmpl-1", "batch-1", grpc.request_id]

@@ -178,7 +178,8 @@ class OpenAIService:
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids, top_logprobs=top_logprobs or None,
-            prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt, priority=req.priority or None,
+            prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt, speculative=req.speculative,
+            priority=req.priority or None,
             tenant=user_tenant(req.user), parent_id=rid,
         )
 

@@ -144,6 +144,8 @@ class SamplingFields(StructuredFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     cache_salt: str | None = Field(None, strict=True, description="vLLM's: the prompt's prefix pages are shared "
                                    "only with requests of the same salt (length checked by the engine)")
+    speculative: bool | None = Field(None, strict=True, description="cbserve's: false keeps the request out of the "
+                                     "engine's speculative decoding (engine.speculative)")
     # Fields current OpenAI SDKs send (README "Endpoints": the field policy).
     store: bool | None = Field(None, strict=True, description="false or null: nothing is stored here")
     metadata: dict[str, str] | None = Field(None, max_length=16)  # IGNORED
