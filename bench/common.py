@@ -11,7 +11,21 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("mixed", "decode", "long", "shared", "single")
+WORKLOADS = ("mixed", "decode", "long", "shared", "single", "copy")
+# The "copy" workload's request (speculative decoding's favourable case): a chat asking the model
+# to repeat a ~170-word text, 256 new tokens (EOS ignored, so it goes on after the copy).
+COPY_INSTRUCTION = "Repeat the following text exactly, word for word:\n\n"
+COPY_TEXT = (
+    "The lighthouse keeper kept a logbook for forty years. Every evening he wrote down the direction of the wind, "
+    "the height of the waves, the ships that passed and the birds that rested on the railing. When the lamp was "
+    "automated and he moved to the village, he gave the logbook to the school, where the children used it to learn "
+    "how weather changes from one season to the next. They found that the storms of the autumn came earlier each "
+    "decade, that the swallows arrived a week sooner than they had in his first years, and that the number of "
+    "fishing boats had fallen by half. The teacher asked the old keeper to visit the class. He told them that the "
+    "sea never repeats itself, but that a patient observer can still find its rhythms, and that writing things down "
+    "is the only way to remember them honestly."
+)
+COPY_NEW_TOKENS = 256
 SHARED_PREFIX_TOKENS = 512  # the "shared" workload's system prompt
 
 
@@ -30,7 +44,9 @@ def make_workload(name: str, allowed_ids: list[int], requests: int | None, seed:
     - long: 16 x 2,000 -> 64 (prefill);
     - shared: 64 requests of one 512-token system prompt plus 16-128 tokens of their own -> 16-64
       (prefix caching);
-    - single: one stream, 256 -> 256 (decode speed at batch 1).
+    - single: one stream, 256 -> 256 (decode speed at batch 1);
+    - copy: one stream asked to repeat COPY_TEXT, -> 256 (built by the caller, which has the
+      tokenizer: `copy_workload`).
     """
     rng = random.Random(f"{name}-{seed}")
     if name == "shared":
@@ -48,6 +64,12 @@ def make_workload(name: str, allowed_ids: list[int], requests: int | None, seed:
         raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
     prompts = [[rng.choice(allowed_ids) for _ in range(p)] for p, _ in shapes]
     return Workload(name, prompts, [o for _, o in shapes])
+
+
+def copy_workload(prompt_ids: list[int], requests: int | None) -> Workload:
+    """`requests` (default 1) copies of the copy request, its ids from the model's chat template."""
+    n = requests or 1
+    return Workload("copy", [list(prompt_ids) for _ in range(n)], [COPY_NEW_TOKENS] * n)
 
 
 def _shared_workload(rng: random.Random, allowed_ids: list[int], n: int) -> Workload:

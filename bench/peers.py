@@ -53,9 +53,12 @@ import common  # standard library only: vLLM's venv imports this file too
 DEFAULT_PEER_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
 RESULTS = ROOT / "bench" / "results"
-OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "llamacpp")
-SERVED_ENGINES = ("cbserve", "vllm")
 PEER = "vllm"
+OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "llamacpp", "cbserve_ngram", "vllm_ngram")
+# Speculative decoding, n-gram prompt lookup, the same settings on both (vLLM's field names).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+VLLM_ENGINES = (PEER, "vllm_ngram")  # run in vLLM's venv
+SERVED_ENGINES = ("cbserve", "vllm")
 WARMUP = ([16, 32, 8, 24], [4, 8, 2, 6])  # prompt lengths, outputs: first-call costs, not timed
 
 
@@ -136,7 +139,8 @@ def run_child(python: Path, job: dict[str, Any], env: dict[str, str], log: Path,
 def worker_main(job_path: Path, out_path: Path) -> int:
     job = json.loads(job_path.read_text())
     run = {"cbserve": offline_cbserve, "vllm": offline_vllm, "cbserve_sized": offline_cbserve_sized,
-           "cbserve_gguf": offline_cbserve, "llamacpp": offline_llamacpp}[job["engine"]]
+           "cbserve_gguf": offline_cbserve, "llamacpp": offline_llamacpp, "cbserve_ngram": offline_cbserve,
+           "vllm_ngram": offline_vllm}[job["engine"]]
     out_path.write_text(json.dumps(run(job)))
     return 0
 
@@ -171,7 +175,8 @@ def offline_vllm(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(model=job["folder"], dtype=job["dtype"], enable_prefix_caching=True, seed=job["seed"])
+    spec = {"speculative_config": NGRAM} if job["engine"] == "vllm_ngram" else {}
+    llm = LLM(model=job["folder"], dtype=job["dtype"], enable_prefix_caching=True, seed=job["seed"], **spec)
     ready = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
@@ -193,7 +198,8 @@ def _load_cbserve(job: dict[str, Any]) -> tuple[Any, int | None]:
 
 def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     """The manager as a user builds it: default ContinuousBatchingConfig, no workload hints
-    (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks)."""
+    (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks; `cbserve_ngram`: speculative
+    decoding, NGRAM)."""
     from throughput import greedy_config
 
     import cbserve
@@ -201,7 +207,9 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     model, pad = _load_cbserve(job)
     longest = max(n for work in job["workloads"] for n in work["lengths"])
-    config = cbserve.ContinuousBatchingConfig(quantization="auto" if job["engine"] == "cbserve_gguf" else "none")
+    config = cbserve.ContinuousBatchingConfig(
+        quantization="auto" if job["engine"] == "cbserve_gguf" else "none",
+        speculative=NGRAM if job["engine"] == "cbserve_ngram" else None)
     manager = cbserve.init_continuous_batching(model, greedy_config(longest, pad), config)
     manager.start()
     ready = time.perf_counter() - start
@@ -286,7 +294,10 @@ def build_workloads(names: list[str], requests: int | None, seed: int, model: st
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_folder(model)), local_files_only=True)
     special = set(tokenizer.all_special_ids)
     allowed = [t for t in range(len(tokenizer)) if t not in special]
-    return [common.make_workload(n, allowed, requests, seed) for n in names]
+    copy_ids = tokenizer.apply_chat_template([{"role": "user", "content": common.COPY_INSTRUCTION + common.COPY_TEXT}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [common.copy_workload(copy_ids, requests) if n == "copy" else common.make_workload(n, allowed, requests, seed)
+            for n in names]
 
 
 def gguf_file(model: str | None) -> str | None:
@@ -334,8 +345,8 @@ def run_offline(args: argparse.Namespace, engines: list[str], folder: str, vllm_
         for rep in range(args.repeat):
             for engine in engines:
                 print(f"offline {dtype} round {rep + 1}/{args.repeat}: {engine} ...", flush=True)
-                python, env = {PEER: (args.vllm_python, vllm_env), "llamacpp": (args.llamacpp_python, {})}.get(
-                    engine, (Path(sys.executable), {}))
+                python, env = {PEER: (args.vllm_python, vllm_env), "vllm_ngram": (args.vllm_python, vllm_env),
+                               "llamacpp": (args.llamacpp_python, {})}.get(engine, (Path(sys.executable), {}))
                 res = run_child(python, offline_job(engine, dtype, workloads, args, folder), env,
                                 logs / f"offline-{engine}-{dtype}-{rep}.log", args.child_timeout)
                 results.append({**res, "round": rep})
@@ -450,11 +461,14 @@ def offline_summary(results: list[dict[str, Any]], agree_first: int) -> list[dic
         medians = {engine: common.median(rates) for engine, rates in row["rates"].items()}
         tokens = row.pop("tokens")
         pair = tokens.get("cbserve"), tokens.get(PEER)
+        # Speculation must not change greedy tokens: cbserve_ngram against cbserve, vLLM's against vLLM.
+        spec_same = {e: tokens[e] == tokens[base] for e, base in (("cbserve_ngram", "cbserve"), ("vllm_ngram", PEER))
+                     if tokens.get(e) and tokens.get(base)}
         agree = common.agreement(*pair, agree_first) if pair[0] and pair[1] else None
         ratios = {e: common.ratio(medians[e], medians.get(PEER)) for e in medians if e != PEER}
         to_llamacpp = {e: common.ratio(medians[e], medians.get("llamacpp")) for e in medians if e != "llamacpp"}
         out.append({**row, "median": medians, "ratio_to_vllm": ratios, "ratio_to_llamacpp": to_llamacpp,
-                    "agreement": agree})
+                    "agreement": agree, "speculation_same_tokens": spec_same})
     return out
 
 
@@ -514,6 +528,9 @@ def format_offline(rows: list[dict[str, Any]]) -> str:
             to_llamacpp = "" if engine == "llamacpp" else _x(row.get("ratio_to_llamacpp", {}).get(engine))
             lines.append(f"{row['dtype']:<9} {row['workload']:<8} {engine:<14} {row['median'][engine]:>12.1f}  "
                          f"{' '.join(f'{r:.1f}' for r in rates):<24} {ratio:>8} {to_llamacpp:>11}")
+        if row.get("speculation_same_tokens"):
+            lines.append(f"{'':<9} {row['workload']:<8} greedy tokens unchanged by speculation: "
+                         f"{row['speculation_same_tokens']}")
         a = row["agreement"]
         if a:
             lines.append(f"{'':<9} {row['workload']:<8} greedy cbserve vs vLLM: {a['agree_first']}/{a['requests']} "
@@ -606,9 +623,9 @@ def plan_engines(args: argparse.Namespace, peer_missing: str | None) -> tuple[li
     """(offline engines, served engines) to run: the peer dropped, saying why, when it is missing."""
     offline = [e for e in args.engines if e in OFFLINE_ENGINES]
     served = [e for e in args.engines if e in SERVED_ENGINES]
-    if peer_missing and PEER in args.engines:
+    if peer_missing and set(VLLM_ENGINES) & set(args.engines):
         print(f"SKIPPING vLLM: {peer_missing}; measuring cbserve alone (no ratios)", flush=True)
-        offline, served = [e for e in offline if e != PEER], [e for e in served if e != PEER]
+        offline, served = [e for e in offline if e not in VLLM_ENGINES], [e for e in served if e != PEER]
     if "llamacpp" in offline:
         _, missing = peer_status(args.llamacpp_python, module="llama_cpp", target="peers-llamacpp")
         if missing:

@@ -28,13 +28,18 @@ DEFAULT_PARENT_STEP_TOKENS: dict[str, int] = {}
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (vLLM's field names): each step, a decoding request's next tokens are
     proposed and verified by the model in the same forward pass (`scheduler/ngram.py`,
-    `workers/speculative.py`)."""
+    `workers/draft_model.py`, `workers/speculative.py`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "draft_model"] = Field(
         "ngram", description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
-        "request's last n tokens (in its prompt or output); no extra model"
+        "request's last n tokens (in its prompt or output); no extra model. draft_model: a smaller model of the same "
+        "tokenizer (`model`) proposes greedily"
+    )
+    model: str | None = Field(
+        None, min_length=1, description="draft_model: the draft's folder or GGUF file (what cbserve.load_model reads), "
+        "loaded in the target's dtype"
     )
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="most tokens proposed per request per step")
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest n-gram matched (tried first)")
@@ -43,6 +48,13 @@ class SpeculativeConfig(BaseModel):
         8, ge=1, description="no proposals in a step with this many decoding requests or more: the step is then "
         "bound by compute, not by reading the weights, and verifying proposals would cost throughput; None: always"
     )
+
+    @model_validator(mode="after")
+    def _draft_needs_a_model(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative.model is needed by method 'draft_model' and only by it "
+                             f"(method={self.method!r}, model={self.model!r})")
+        return self
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:

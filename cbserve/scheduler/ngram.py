@@ -12,6 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from cbserve.config import SpeculativeConfig
+from cbserve.scheduler.request import Request
 
 
 class NgramProposer:
@@ -19,9 +20,15 @@ class NgramProposer:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """At most `min(limit, num_speculative_tokens)` tokens to follow `tokens`; [] when no
-        n-gram of the configured sizes recurs."""
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """At most `min(limit, num_speculative_tokens)` tokens to follow the request's tokens; []
+        when no n-gram of the configured sizes recurs."""
+        return self.lookup(request.tokens, limit)
+
+    def forget(self, request_id: str) -> None:
+        """No state per request."""
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
         k = min(limit, self.num_tokens)
         if k <= 0 or len(tokens) <= self.min_n:
             return []

@@ -30,16 +30,24 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from cbserve.config import SpeculativeConfig
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.fair_share import FairShare, StepLimits
 from cbserve.scheduler.host_pages import HostPages, KVTransfer
-from cbserve.scheduler.ngram import NgramProposer
 from cbserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+class Proposer(Protocol):
+    """Speculative decoding's source of proposed tokens (`ngram.NgramProposer`,
+    `workers/draft_model.DraftModelProposer`)."""
+
+    def propose(self, request: Request, limit: int) -> list[int]: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -91,7 +99,9 @@ class Scheduler:
         release_window: int | None = None,
         parent_step_tokens: int | None = None,
         held_step_tokens: int | None = None,
-        speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
+        speculate_below: int | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -107,8 +117,8 @@ class Scheduler:
         # Query tokens per step: of one parent's choices; of others while a newcomer is owed (`StepLimits`).
         self.parent_step_tokens, self.held_step_tokens = parent_step_tokens, held_step_tokens
         self._transfers: list[KVTransfer] = []
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
-        self.speculate_below = speculative.disable_by_batch_size if speculative is not None else None
+        # Speculative decoding: proposals in steps with fewer than `speculate_below` decoding requests.
+        self.proposer, self.speculate_below = proposer, speculate_below
         # With sliding-window layers only: how far back a query sees (pages before are released).
         self.release_window = release_window
         # Called with each pass's advanced entries, before their tokens are taken (the node pool).
@@ -124,7 +134,7 @@ class Scheduler:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_position = [0] * (speculative.num_speculative_tokens if speculative is not None else 0)
+        self.accepted_per_position = [0] * num_speculative_tokens
 
     @property
     def has_work(self) -> bool:
@@ -190,7 +200,7 @@ class Scheduler:
         token drawn after them is its own), none for one that may not speculate."""
         if not request.may_speculate or request.num_inflight:
             return []
-        return self.proposer.propose(request.tokens, request.max_new_tokens - len(request.generated) - 1)
+        return self.proposer.propose(request, request.max_new_tokens - len(request.generated) - 1)
 
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num
@@ -418,4 +428,6 @@ class Scheduler:
         """The request ends (finished, cancelled, failed): out of the scheduler, its pages freed."""
         if request.live:
             self.remove(request)
+            if self.proposer is not None:
+                self.proposer.forget(request.request_id)
         request.finish(status, reason, error)

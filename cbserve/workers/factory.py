@@ -16,6 +16,7 @@ from cbserve.config import ContinuousBatchingConfig
 from cbserve.kernels import attention_backends, packed_linear
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
+from cbserve.scheduler.ngram import NgramProposer
 from cbserve.scheduler.scheduler import Scheduler
 from cbserve.workers import compilation
 from cbserve.workers.compilation import CompiledForward
@@ -81,7 +82,7 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     scheduler = Scheduler(block_manager, sizes.max_batch_tokens, sizes.max_requests, config.scheduler,
                           config.resolved_safety_margin, host_pages, config.parent_share, sizes.release_window,
                           parent_step_tokens=config.resolved_parent_step_tokens(device.type),
-                          held_step_tokens=config.held_step_tokens, speculative=config.speculative)
+                          held_step_tokens=config.held_step_tokens, **speculation(config, model))
     if node_pool is not None:  # computed prompt pages, for the node's other engines
         scheduler.on_computed = node_pool.after_step
     attention_backend = attention_backends.select(config.attention_backend, device, config.page_size,
@@ -98,6 +99,21 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     )
     return EngineParts(shape, sizes, cache, block_manager, host_pool, node_pool, scheduler, attention_backend,
                        runner, Sampler(shape.vocab_size, config.seed), pack_weights, packed_linears)
+
+
+def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dict:
+    """The scheduler's speculative decoding arguments: its proposer and when to use it."""
+    spec = config.speculative
+    if spec is None:
+        return {}
+    if spec.method == "draft_model":
+        from cbserve.workers.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer.load(spec, model)
+    else:
+        proposer = NgramProposer(spec)
+    return {"proposer": proposer, "speculate_below": spec.disable_by_batch_size,
+            "num_speculative_tokens": spec.num_speculative_tokens}
 
 
 def quantize_model(model: torch.nn.Module, batch_invariant: bool | None) -> None:

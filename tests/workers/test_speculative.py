@@ -178,13 +178,13 @@ def test_sampled_logprobs_are_the_target_models() -> None:
 
 def test_ngram_proposer() -> None:
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3))
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4], 10) == [5, 9, 2]  # the 3-gram "2 3 4"
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 2, 3, 4], 2) == [5, 9]  # the limit (max_new_tokens)
-    assert proposer.propose([7, 8, 1, 7, 8, 2, 7, 8], 10) == [2, 7, 8]  # the latest occurrence
-    assert proposer.propose([1, 2, 3, 4], 10) == []  # nothing recurs
-    assert proposer.propose([5] * 8, 10) == [5, 5, 5]  # a loop: the latest occurrence followed by k tokens
-    assert proposer.propose([5] * 5, 10) == [5, 5]  # none followed by k: the longest continuation
-    assert proposer.propose([1, 2, 1, 2], 0) == []
+    assert proposer.lookup([1, 2, 3, 4, 5, 9, 2, 3, 4], 10) == [5, 9, 2]  # the 3-gram "2 3 4"
+    assert proposer.lookup([1, 2, 3, 4, 5, 9, 2, 3, 4], 2) == [5, 9]  # the limit (max_new_tokens)
+    assert proposer.lookup([7, 8, 1, 7, 8, 2, 7, 8], 10) == [2, 7, 8]  # the latest occurrence
+    assert proposer.lookup([1, 2, 3, 4], 10) == []  # nothing recurs
+    assert proposer.lookup([5] * 8, 10) == [5, 5, 5]  # a loop: the latest occurrence followed by k tokens
+    assert proposer.lookup([5] * 5, 10) == [5, 5]  # none followed by k: the longest continuation
+    assert proposer.lookup([1, 2, 1, 2], 0) == []
 
 
 def _engine(cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW, arch: str = "llama"):
@@ -279,3 +279,53 @@ def test_refusals() -> None:
         cbserve.ContinuousBatchingConfig(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         cbserve.ContinuousBatchingConfig(speculative={"num_speculative_tokens": 0})
+
+
+# ---- draft model -------------------------------------------------------------------------------
+
+
+def _draft_folder(tmp_path, noise: float, vocab: int | None = None):
+    """The tiny Llama's weights saved as a draft model, each weight perturbed by `noise` (0: the
+    target itself, every proposal right)."""
+    from tests.support.tiny_models import tiny_model
+
+    overrides = {} if vocab is None else {"vocab_size": vocab}
+    draft = tiny_model("llama", **overrides)
+    if vocab is None:
+        draft.load_state_dict(model_for("llama").state_dict())
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    folder = tmp_path / f"draft-{noise}-{vocab}"
+    draft.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.05])
+def test_draft_model_speculation_equals_generate(tmp_path, noise: float) -> None:
+    prompts = random_prompts([5, 17, 40], seed=3)
+    cfg = cbserve.ContinuousBatchingConfig(
+        page_size=16, num_blocks=200, return_logprobs=True,
+        speculative={"method": "draft_model", "model": _draft_folder(tmp_path, noise), "num_speculative_tokens": 3,
+                     "disable_by_batch_size": None})
+    requests, engine = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW)
+    _assert_equal(requests, _reference("llama", prompts))
+    s = engine.scheduler
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens > 0
+    if noise == 0.0:  # the target as its own draft: every proposal is the target's greedy token
+        assert s.num_accepted_tokens == s.num_draft_tokens
+    else:
+        assert s.num_accepted_tokens < s.num_draft_tokens
+    assert not s.proposer._caches  # every finished request's draft cache dropped
+
+
+def test_draft_model_refusals(tmp_path) -> None:
+    with pytest.raises(ValueError, match="speculative.model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="speculative.model"):
+        SpeculativeConfig(model="/some/draft")  # ngram takes no model
+    cfg = cbserve.ContinuousBatchingConfig(speculative={"method": "draft_model",
+                                                        "model": _draft_folder(tmp_path, 0.0, vocab=300)})
+    with pytest.raises(ValueError, match="vocabulary"):
+        build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4), cfg)
