@@ -13,7 +13,9 @@ from cbserve.cluster.stats_board import StatsBoard
 from cbserve.serving.front.metrics import ServingMetrics
 
 WORKERS = {"w1": {"running": 2, "waiting": 1, "total_pages": 10, "free_pages": 4, "prefix_hit_tokens": 30,
-                  "prompt_tokens_computed": 70, "preemptions": 3}}
+                  "prompt_tokens_computed": 70, "preemptions": 3, "spec_decode_num_drafts": 4,
+                  "spec_decode_num_draft_tokens": 16, "spec_decode_num_accepted_tokens": 9,
+                  "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2, 0]}}
 
 
 def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -68,6 +70,11 @@ def test_a_scrape_shows_every_ingress_replica_whichever_answers() -> None:
         assert scrape[("cbserve:ingress_replicas", (("model_name", "m"),))] == 2
         assert scrape[("vllm:num_preemptions_total", (("model_name", "m"), ("replica", "w1")))] == 3
         assert scrape[("vllm:prefix_cache_hits_total", (("model_name", "m"), ("replica", "w1")))] == 30
+        w1 = (("model_name", "m"), ("replica", "w1"))
+        assert scrape[("vllm:spec_decode_num_draft_tokens_total", w1)] == 16
+        assert scrape[("vllm:spec_decode_num_accepted_tokens_total", w1)] == 9
+        assert [scrape[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*w1[:1], ("position", str(p)), w1[1]))]
+                for p in range(4)] == [4, 3, 2, 0]
         success = sum(v for k, v in scrape.items() if k[0] == "vllm:request_success_total")
         assert success == 3
 
