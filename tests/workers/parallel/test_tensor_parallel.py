@@ -127,6 +127,29 @@ def test_generate_batch_tp2_equals_tp1() -> None:
     assert model_for("llama").config._attn_implementation == "sdpa"  # the caller's model is untouched
 
 
+def test_speculative_decoding_under_tp2_equals_tp1() -> None:
+    """Proposal rows reach the other rank like any other rows: tp_size=2 with n-gram speculation
+    gives tp_size=1's tokens without it, with proposals accepted."""
+    prompts = []
+    for seed in (4, 7):  # prompts whose greedy outputs repeat n-grams (tests/workers/test_speculative.py)
+        seg = random_prompts([12], seed=seed)[0]
+        prompts.append(seg + seg[:6] + seg)
+    spec = {"num_speculative_tokens": 4, "disable_by_batch_size": None}
+    manager = cbserve.init_continuous_batching(model_for("llama"), greedy(32), engine_config(tp_size=2,
+                                                                                            speculative=spec))
+    manager.start()
+    try:
+        ids = [manager.add_request(p) for p in prompts]
+        for prompt, rid in zip(prompts, ids):
+            out = manager.get_result(rid, timeout=TIMEOUT)
+            while not out.is_finished():
+                out = manager.get_result(rid, timeout=TIMEOUT)
+            assert_like_tp1("llama", prompt, out, max_new=32)
+        assert manager.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        manager.stop(block=True, timeout=TIMEOUT)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_manager_tp2_equals_tp1_through_cancel_stop_and_hard_stop(arch: str) -> None:
     model = model_for(arch)
