@@ -18,8 +18,8 @@ the running set, so there is always room to admit another request, and at most
 `parent_step_tokens` of a step; while a newcomer is owed its first token, the others take at most
 `held_step_tokens` of the step (`StepLimits`), so that its first step is short.
 
-With speculative decoding, a decoding request's row carries the tokens the proposer
-(`ngram.py`) expects next: its K/V rows are written and its logits verified in the same pass
+With speculative decoding, a decoding request's row carries the tokens the proposer (`ngram.py`,
+or a draft model) expects next, when their pages are free (proposals never preempt anyone): its K/V rows are written and its logits verified in the same pass
 (`workers/speculative.py`), and the pass's result holds each of its accepted tokens and one more.
 The proposals count in the step's token budget; only the verified ones count as computed.
 """
@@ -178,9 +178,11 @@ class Scheduler:
                 continue
             draft = self._draft(request) if speculate and request.num_pending == 1 else []
             num = limits.room(request, min(request.num_pending + len(draft), budget))
+            draft = draft[: max(0, num - request.num_pending)]
+            if draft and not self.block_manager.allocate(request, request.num_computed + num):
+                draft, num = [], request.num_pending  # proposals never preempt anyone: none this step
             if num == 0 or not self._allocate_or_preempt(request, num, scheduled):
                 continue
-            draft = draft[: max(0, num - request.num_pending)]
             if draft:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(draft)
