@@ -329,3 +329,23 @@ def test_draft_model_refusals(tmp_path) -> None:
                                                         "model": _draft_folder(tmp_path, 0.0, vocab=300)})
     with pytest.raises(ValueError, match="vocabulary"):
         build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4), cfg)
+
+
+@pytest.mark.default_model
+def test_default_model_greedy_tokens_unchanged_by_speculation() -> None:
+    """The 12 chat prompts of the default model (float32: the same packed kernel for one row and
+    for a chunk of rows), 48 greedy tokens each: identical with and without n-gram speculation."""
+    from cbserve.__main__ import chat_prompt_ids
+    from cbserve.models import load_model
+    from tests.workers.test_bf16 import CHAT_PROMPTS
+
+    model, tokenizer = load_model(dtype="float32")
+    prompts = [chat_prompt_ids(tokenizer, p) for p in CHAT_PROMPTS]
+    outputs = {}
+    for spec in (None, {"num_speculative_tokens": 4, "disable_by_batch_size": None}):
+        cfg = cbserve.ContinuousBatchingConfig(page_size=64, num_blocks=64, return_logprobs=True, speculative=spec)
+        requests, engine = run_engine(model, prompts, cfg, max_new=48)
+        outputs[spec is not None] = [r.generated for r in requests]
+        accepted = engine.scheduler.num_accepted_tokens
+    assert outputs[True] == outputs[False]
+    assert accepted > 0
