@@ -130,6 +130,7 @@ def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest
         eos_token_id=info.eos_token_id,
         grammar=grammar,
         **req.sampling.engine_kwargs(),
+        **({"resume_tokens": req.resume.token_ids} if req.resume is not None else {}),
     )
     return prompt_ids, rid
 
@@ -166,9 +167,22 @@ class _Decoder:
         self._stops = StopStringMatcher(req.stop)
         self._logprobs = req.logprobs
         self.keeps_tokens = req.max_tokens != 0  # max_tokens 0: the one token run is dropped
-        # The prompt goes back on the first delta, when asked for (echo, prompt logprobs).
+        # The prompt goes back on the first delta, when asked for (echo, prompt logprobs), unless
+        # the choice is continued here (its first replica sent it).
         wants_prompt = prompt_ids is not None and (req.echo or req.sampling.prompt_logprobs is not None)
-        self._prompt_ids = prompt_ids if wants_prompt else None
+        self._prompt_ids = prompt_ids if wants_prompt and req.resume is None else None
+        # A continued choice: its text so far is decoded again (the detokenizer and stop strings
+        # carry on from it), and what the client already has is not sent twice.
+        self._unsent_text, self._skip_chars = "", 0
+        if req.resume is not None:
+            self._unsent_text = self._stops.feed(self._detok.step(list(req.resume.token_ids)))
+            self._skip_chars = req.resume.text_chars
+
+    def _not_sent_yet(self, text: str) -> str:
+        text, self._unsent_text = self._unsent_text + text, ""
+        cut = min(self._skip_chars, len(text))
+        self._skip_chars -= cut
+        return text[cut:]
 
     @property
     def stopped(self) -> bool:
@@ -195,6 +209,7 @@ class _Decoder:
         if out.is_finished() and not self._stops.stopped:
             text += self._stops.feed(self._detok.flush())
             text += self._stops.flush()
+        text = self._not_sent_yet(text)
         if not (new or text or prompt):
             return None
         top = None
