@@ -64,11 +64,12 @@ class MigratingChoice:
 
     async def events(self) -> AsyncIterator[WorkerEvent]:
         while True:
-            reason = None
+            reason, lost = None, None
             try:
                 async for ev in self._gen:
                     reason = lost_reason(ev)
                     if reason is not None:
+                        lost = ev
                         break
                     if ev.kind == "delta":
                         self._sent_ids += ev.token_ids
@@ -81,7 +82,7 @@ class MigratingChoice:
             except Exception as exc:  # noqa: BLE001 - Ray's ActorDiedError, ActorUnavailableError, ...
                 logger.warning("choice %s: its replica %s failed (%r)", self._wreq.request_id, self.replicas[-1], exc)
                 reason = "replica_failed"
-            failure = await self._continue(reason)
+            failure = await self._continue(reason, lost)
             if failure is not None:
                 yield failure
                 return
@@ -98,9 +99,10 @@ class MigratingChoice:
             "avoid_replicas": list(dict.fromkeys(self.replicas)),
         })
 
-    async def _continue(self, reason: str) -> WorkerEvent | None:
-        """Open the continuation on another replica (`self._gen` then reads it); the error event
-        for the client when that is not possible."""
+    async def _continue(self, reason: str, lost: WorkerEvent | None) -> WorkerEvent | None:
+        """Open the continuation on another replica (`self._gen` then reads it); the event for
+        the client when that is not possible: the one that lost the choice (its message names the
+        cause), else an error."""
         lost_at = time.monotonic()
         logger.info("choice %s lost on replica %s (%s) after %d tokens", self._wreq.request_id, self.replicas[-1],
                     reason, len(self._sent_ids))
@@ -127,6 +129,8 @@ class MigratingChoice:
             if self._on_migration is not None:
                 self._on_migration(reason, stall)
             return None
+        if lost is not None:
+            return lost
         return error_event(503, f"the worker serving this request failed before it finished and "
                                 f"{self._max_attempts} attempts to continue it on another worker did not succeed; "
                                 "retry it")

@@ -7,6 +7,7 @@ sampling and a JSON schema; attempts are bounded; refusals are not retried."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -87,6 +88,7 @@ def _choice(replicas: Replicas, wreq: WorkerRequest, max_attempts: int = 3) -> t
     return asyncio.run(run())
 
 
+IDS = itertools.count()
 CASES = {
     "greedy": {"prompt": "the quick brown fox", "max_tokens": 24},
     "stop-string": {"prompt": "once upon a time", "max_tokens": 30},  # stop set from the undisturbed text
@@ -100,7 +102,8 @@ CASES = {
 def _request(case: str, **extra: Any) -> WorkerRequest:
     body = dict(CASES[case])
     body.setdefault("sampling", Sampling(temperature=0.0))
-    return WorkerRequest(request_id=f"{case}-{len(extra)}", logprobs=True, **body, **extra)
+    # A fresh id each time: a cut choice's engine request may still be live (cancelled) on the manager.
+    return WorkerRequest(request_id=f"{case}-{next(IDS)}", logprobs=True, **body, **extra)
 
 
 def _same(got: ChoiceResult, want: ChoiceResult) -> None:
