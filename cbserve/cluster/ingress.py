@@ -149,7 +149,7 @@ class OpenAIIngress:
         first, gen = await self._open_on_a_replica(wreq)
         if first.kind == "error":
             raise refusal(first, self.args.worker.overload_status_code, self.args.worker.retry_after_s)
-        if self.args.migration.max_attempts == 0:
+        if self.args.migration.max_attempts == 0 or not wreq.migrate:
             return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
         choice = MigratingChoice(wreq, first, gen, self._open_on_a_replica, self.args.migration.max_attempts,
                                  self.metrics.on_migration)

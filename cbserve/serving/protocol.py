@@ -93,6 +93,7 @@ class WorkerRequest(BaseModel):
     skip_special_tokens: bool = True
     prefix_hashes: list[int] = Field(default_factory=list, description="read by the request router")
     resume: Resume | None = None
+    migrate: bool = Field(True, description="false: no continuation elsewhere if its replica loses it")
     avoid_replicas: list[str] = Field(default_factory=list, description="read by the request router: replicas "
                                       "this choice left (tried last)")
 

@@ -175,3 +175,26 @@ def test_a_choice_that_ends_or_is_refused_does_not_migrate(manager: Any, loaded:
     replicas = Replicas(manager, loaded[1], info)
     got, choice = _choice(replicas, _request("greedy"))
     assert got.error is None and choice.attempts == 0 and len(replicas.opened) == 1
+
+
+def test_a_request_opts_out_with_migrate_false() -> None:
+    """`"migrate": false` reaches every choice's WorkerRequest (the ingress then opens no
+    continuation); a non-boolean is refused naming the field."""
+    import json
+
+    from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.front.json_body import parse_request
+    from cbserve.serving.front.openai_service import OpenAIService
+    from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest
+
+    service = OpenAIService(ClusterArgs(served_model_name="tiny"), None)
+    body = {"model": "tiny", "prompt": "hi", "n": 2}
+    on = service.completion_requests(parse_request(json.dumps(body).encode(), CompletionRequest), "cmpl-1")
+    off = service.completion_requests(parse_request(json.dumps({**body, "migrate": False}).encode(),
+                                                    CompletionRequest), "cmpl-2")
+    assert [w.migrate for w in on] == [True, True] and [w.migrate for w in off] == [False, False]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "migrate": False}
+    assert not service.chat_requests(parse_request(json.dumps(chat).encode(), ChatCompletionRequest), "c-1")[0].migrate
+    with pytest.raises(Exception) as err:
+        parse_request(json.dumps({**body, "migrate": "no"}).encode(), CompletionRequest)
+    assert "migrate" in str(err.value)
