@@ -45,8 +45,9 @@ def info(loaded: tuple[Any, Any]) -> ModelInfo:
 
 
 class Replicas:
-    """Replicas "r0", "r1", ... over one manager; the first open one loses its choice after
-    `cut` deltas, the way `how` says."""
+    """Replicas "r0", "r1", ... over one manager; the first open one loses its choice at the
+    first delta after `cut` tokens were sent (or, having sent them all, instead of its end), the
+    way `how` says."""
 
     def __init__(self, manager: Any, tokenizer: Any, info: ModelInfo, cut: int | None = None, how: str = "raise"):
         self.manager, self.tokenizer, self.info = manager, tokenizer, info
@@ -63,18 +64,18 @@ class Replicas:
         return first, gen
 
     async def _failing(self, gen: Any) -> Any:
-        deltas = 0
+        sent = 0
         async for ev in gen:
-            if ev.kind == "delta" and deltas == self.cut:
+            if (ev.kind == "delta" and sent >= self.cut) or ev.kind == "end":
                 await gen.aclose()  # the engine request is cancelled, as a dead replica's pages are lost
                 if self.how == "raise":
                     raise RuntimeError("ActorDiedError: the actor died unexpectedly")
                 if self.how == "error":
                     yield error_event(503, "the engine failed; retry the request")
                 elif self.how == "abort":
-                    yield WorkerEvent(kind="end", finish_reason="abort", completion_tokens=deltas)
+                    yield WorkerEvent(kind="end", finish_reason="abort", completion_tokens=sent)
                 return  # how == "cut": the stream just stops
-            deltas += ev.kind == "delta"
+            sent += len(ev.token_ids)
             yield ev
 
 
@@ -90,8 +91,9 @@ def _choice(replicas: Replicas, wreq: WorkerRequest, max_attempts: int = 3) -> t
 
 IDS = itertools.count()
 CASES = {
-    "greedy": {"prompt": "the quick brown fox", "max_tokens": 24},
-    "stop-string": {"prompt": "once upon a time", "max_tokens": 30},  # stop set from the undisturbed text
+    # Prompts whose outputs on the tiny model are varied text (many prompts give one token again and again).
+    "greedy": {"prompt": "The sea", "max_tokens": 24},
+    "stop-string": {"prompt": "1 2 3 4", "max_tokens": 30},  # stop set from the undisturbed text
     "seeded": {"prompt": "a seeded sample", "max_tokens": 24,
                "sampling": Sampling(temperature=1.0, seed=11, presence_penalty=0.5, top_logprobs=2)},
     "json-schema": {"prompt": "answer as JSON:", "max_tokens": 40,
@@ -126,21 +128,24 @@ def test_a_migrated_choice_equals_the_undisturbed_one(case: str, manager: Any, l
         free = _choice(Replicas(manager, tok, info), _request(case))[0]
         stop = [free.text[len(free.text) // 2 : len(free.text) // 2 + 3]]
     want, _ = _choice(Replicas(manager, tok, info), _request(case, stop=stop))
-    assert want.error is None and len(want.token_ids) >= 6, want
-    for cut, how in ((1, "raise"), (3, "error"), (len(want.token_ids) - 2, "abort"), (2, "cut")):
+    assert want.error is None and len(want.token_ids) >= 6 and len(set(want.token_ids)) >= 4, want
+    assert not stop or want.finish_reason == "stop", want
+    # Cut after the first token, a few, most, and after the last one (before the end event).
+    for cut, how in ((1, "raise"), (3, "error"), (len(want.token_ids) - 2, "abort"), (2, "cut"), (10**6, "raise")):
         replicas = Replicas(manager, tok, info, cut=cut, how=how)
         got, choice = _choice(replicas, _request(case, stop=stop))
         _same(got, want)
         assert choice.replicas == ["r0", "r1"] and choice.attempts == 1, (cut, how)
         cont = replicas.opened[1]
-        assert cont.resume is not None and cont.resume.token_ids == want.token_ids[:cut], (cut, how)
+        sent = cont.resume.token_ids
+        assert len(sent) >= min(cut, len(want.token_ids)) and sent == want.token_ids[: len(sent)], (cut, how)
         assert cont.avoid_replicas == ["r0"]
 
 
 def test_the_prompt_is_not_echoed_twice(manager: Any, loaded: Any, info: ModelInfo) -> None:
     want, _ = _choice(Replicas(manager, loaded[1], info), _request("greedy", echo=True))
     got, _ = _choice(Replicas(manager, loaded[1], info, cut=2), _request("greedy", echo=True))
-    assert got.prompt == want.prompt and got.prompt.text == "the quick brown fox"
+    assert got.prompt == want.prompt and got.prompt.text == "The sea"
     _same(got, want)
 
 
