@@ -814,9 +814,11 @@ def _check_accounted(outs: list[Outcome], jobs: list[tuple[str, int]], reference
 def test_scale_down_then_shutdown_under_load_account_for_every_request(cluster: dict[str, Any],
                                                                        reference: Any) -> None:
     """Redeploy `faults` with one replica instead of two while streams run and new requests
-    arrive, then `serve.shutdown()` while streams run. The client side counts: every request
-    completed (correct text) or failed explicitly; none hangs or ends like a success without
-    being one. Runs last: it shuts Serve down."""
+    arrive, then `serve.shutdown()` while streams run. The client side counts: the streams
+    running when the redeploy starts all complete (those the old replicas still held when they
+    went continue on the new one: stream migration); every other request completed (correct
+    text) or failed explicitly; none hangs or ends like a success without being one. Runs last:
+    it shuts Serve down."""
     from cbserve.cluster.app import build_app
 
     serve = cluster["serve"]
@@ -824,6 +826,7 @@ def test_scale_down_then_shutdown_under_load_account_for_every_request(cluster: 
     # Short requests finish within the drain; 400-token ones may outlive it (GRACE_S).
     jobs = [(p, rng.choice([12, 24, 400])) for p in _prompts(rng, 12, "scale")]
     reference(jobs)
+    running = len(jobs)
     old = {a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")}
     load = Load(cluster["http"])
     for prompt, max_tokens in jobs:
@@ -847,6 +850,7 @@ def test_scale_down_then_shutdown_under_load_account_for_every_request(cluster: 
     reference(jobs)
     outs = load.results(timeout=90)
     counts = _check_accounted(outs, jobs, reference, {"ok", "http_error", "stream_error"})
+    _check_completed(outs[:running], jobs[:running], reference)
     print(f"\n[faults] redeploy 2 -> 1 replica under load: {len(jobs)} requests {counts}; old replicas gone "
           f"after {scaled_s:.1f}s; errors: {sorted({o.error['message'][:90] for o in outs if o.error})}")
 

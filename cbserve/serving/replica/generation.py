@@ -192,6 +192,21 @@ class _Decoder:
             self._unsent_text = self._stops.feed(self._detok.step(list(req.resume.token_ids)))
             self._skip_chars = req.resume.text_chars
 
+    def _feed(self, new: list[int]) -> tuple[list[int], str]:
+        """The tokens of an output and their text, cut at a stop string: tokens after the one that
+        completed it are dropped too (an output may carry several steps' tokens), so the tokens
+        and usage of a choice do not depend on how its outputs were batched."""
+        if not new:
+            return new, ""
+        if not self._req.stop or len(new) == 1:
+            return new, self._stops.feed(self._detok.step(new))
+        text = ""
+        for i, token in enumerate(new):
+            text += self._stops.feed(self._detok.step([token]))
+            if self._stops.stopped:
+                return new[: i + 1], text
+        return new, text
+
     def rest(self) -> str:
         """The text still held back (a continued choice that was already complete)."""
         if self._stops.stopped:
@@ -224,8 +239,8 @@ class _Decoder:
     def delta(self, out: GenerationOutput) -> WorkerEvent | None:
         """The `delta` event of one output (None when it adds neither tokens, text nor prompt)."""
         prompt = self._prompt(out)
-        new = list(out.new_tokens) if self.keeps_tokens else []
-        text = self._stops.feed(self._detok.step(new)) if new else ""
+        batch = list(out.new_tokens) if self.keeps_tokens else []
+        new, text = self._feed(batch)
         if out.is_finished() and not self._stops.stopped:
             text += self._stops.feed(self._detok.flush())
             text += self._stops.flush()
@@ -234,7 +249,7 @@ class _Decoder:
             return None
         top = None
         if self._logprobs and self._req.sampling.top_logprobs and new:
-            top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(new):]]
+            top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(batch):][: len(new)]]
         return WorkerEvent(
             kind="delta",
             text=text,
