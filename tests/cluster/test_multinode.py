@@ -11,8 +11,8 @@ tiny model.
 Tests, in order: placement (replicas spread, the TP replica and its rank on one node, each
 replica's offload share is its own node's budget), routing across nodes with two ingress replicas
 and /metrics that do not depend on which ingress answers, then node A removed under load (its
-streams end with an explicit error, none hangs, the others complete, the app serves again and
-Serve replaces the lost replica on the node the `tp` app freed).
+streams go on on the other node's replica: stream migration; every stream completes, the app
+serves again and Serve replaces the lost replica on the node the `tp` app freed).
 
 The per-node KV pool of issue 18 (`workers/kv/node_pool.py`) is committed engine-side only (no
 Ray-side owner yet), so "one KV pool per node" is checked as the per-node host-memory budget of
@@ -280,7 +280,8 @@ def test_routing_across_nodes_with_two_ingress_and_metrics_from_either(cluster: 
 
 
 def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
-    """Node A dies (its processes killed) while 8 streams run on both workers."""
+    """Node A dies (its processes killed) while 8 streams run on both workers: the streams of its
+    worker replica continue on the other node's (stream migration) and every stream completes."""
     import threading
 
     serve, port, nodes = cluster["serve"], cluster["http"], cluster["nodes"]
@@ -300,8 +301,10 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     print(f"\n[multinode] node removed: {[(o.replica == lost, o.kind, o.tokens) for o in outs]}; "
           f"all ended {ended_s:.1f}s after; errors: {sorted({o.detail[:80] for o in outs if o.detail})}")
     assert any(o.replica == lost for o in outs) and any(o.replica != lost for o in outs), kinds
-    assert {kind for on_lost, kind in kinds if on_lost} == {"error"}  # explicit, none hangs
-    assert {kind for on_lost, kind in kinds if not on_lost} == {"ok"}  # the rest complete
+    assert {kind for _, kind in kinds} == {"ok"}, kinds  # the lost node's streams migrated: all complete
+    time.sleep(1.5)  # every ingress replica has pushed its latest counters
+    migrated = sum(v for _, v in _metrics(port).get("cbserve:migrations_total", []))
+    assert migrated >= sum(o.replica == lost for o in outs), migrated
 
     # The app serves again at once (the other worker), and Serve replaces the lost replica on C.
     for i in range(4):

@@ -244,6 +244,7 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     from cbserve.cluster.ingress import OpenAIIngress
     from cbserve.cluster.settings import ClusterArgs
+    from cbserve.serving.front.metrics import ServingMetrics
     from cbserve.serving.front.worker_requests import key_tenant, user_tenant
     from cbserve.serving.protocol import Sampling, WorkerEvent, WorkerRequest
 
@@ -267,6 +268,7 @@ def test_the_api_key_is_the_tenant_of_every_choice() -> None:
 
     ingress = object.__new__(OpenAIIngress)  # the handler alone: no Serve
     ingress.args, ingress._generate = args, Handle()
+    ingress.metrics = ServingMetrics(args.model_name)  # the choices' migration counters
     wreq = WorkerRequest(request_id="r", prompt="x", sampling=Sampling(tenant=user_tenant("bob")))
 
     async def call(header: str | None) -> bool:
