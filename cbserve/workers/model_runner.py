@@ -82,9 +82,7 @@ class ModelRunner:
         """
         decodes = [s for s in batch if is_decode(s)]
         prefills = [s for s in batch if not is_decode(s)]
-        ordered = decodes + prefills
-        if self.lora is not None:  # each row's adapter, for every adapted projection of the pass
-            self.lora.prepare([(s.request.lora_id, s.num_query_tokens) for s in ordered])
+        ordered = self._set_adapters(decodes + prefills)
         context_lens = [s.request.num_computed + s.num_query_tokens for s in ordered]
         width = -(-max(context_lens) // self.page_size)
         fast = bool(decodes) and not prefills and 0 < width <= self.max_blocks_per_request
@@ -133,6 +131,12 @@ class ModelRunner:
         kwargs = {"input_ids": ids[None], "position_ids": position_ids[None], "logits_to_keep": logits_to_keep,
                   "cb_meta": meta, "use_cache": False}
         return kwargs, decodes + [s for s in prefills if s.sample]
+
+    def _set_adapters(self, ordered: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """With LoRA, each row's adapter for the pass's adapted projections; returns `ordered`."""
+        if self.lora is not None:
+            self.lora.prepare([(s.request.lora_id, s.num_query_tokens) for s in ordered])
+        return ordered
 
     def _decode_rows(self, rows: _Rows, decodes: list[ScheduledRequest], table: torch.Tensor,
                      lens: torch.Tensor) -> list[int]:

@@ -27,11 +27,11 @@ peft = pytest.importorskip("peft")
 MAX_NEW = 8
 # Four adapters of different ranks, scalings and targets (each with random, nonzero lora_B).
 ADAPTERS = {
-    "all": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                    "down_proj"]),
-    "attn": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-    "mlp": dict(r=2, lora_alpha=6, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "ko": dict(r=16, lora_alpha=16, target_modules="model.layers.1.self_attn.(k|o)_proj"),
+    "all": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                        "down_proj"]},
+    "attn": {"r": 8, "lora_alpha": 4, "use_rslora": True, "target_modules": ["q_proj", "v_proj"]},
+    "mlp": {"r": 2, "lora_alpha": 6, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "ko": {"r": 16, "lora_alpha": 16, "target_modules": "model.layers.1.self_attn.(k|o)_proj"},
 }
 NAMES = [None, *ADAPTERS]  # None: the base model
 
@@ -72,7 +72,7 @@ def reference(arch: str, name: str | None, prompt: tuple[int, ...]) -> tuple[lis
 
 def lora_config(**fields) -> cbserve.ContinuousBatchingConfig:
     return cbserve.ContinuousBatchingConfig(**{"page_size": 4, "max_batch_tokens": 32, "return_logprobs": True,
-                                               "enable_lora": True, "max_loras": 4, **fields})
+                                               "enable_lora": True, "max_loras": 4, "num_blocks": 256, **fields})
 
 
 def run(arch: str, prompts: list[list[int]], names: list[str | None], cfg, waves: int = 1):
@@ -134,15 +134,22 @@ def test_prefix_cache_pages_are_never_shared_across_adapters() -> None:
     assert engine.scheduler.prefix_hit_tokens == len(NAMES) * pages * 4  # the second wave's, each its own
 
 
-def test_slots_evict_the_least_recently_used_adapter() -> None:
-    """4 adapters through 2 slots: the scheduler runs at most 2 adapters at once, and evicted ones
-    come back from host memory, exact."""
+def test_slots_evict_the_least_recently_used_adapter(monkeypatch) -> None:
+    """4 adapters through 2 slots, twice: the scheduler runs at most 2 adapters at once, and
+    evicted ones come back from host memory, exact."""
+    from cbserve.workers.lora_slots import LoraSlots
+
+    per_step = []
+    make_resident = LoraSlots._make_resident
+    monkeypatch.setattr(LoraSlots, "_make_resident", lambda self, used: per_step.append(len(used)) or
+                        make_resident(self, used))
     prompts = random_prompts([5, 30, 12, 22, 8, 16, 27, 10, 19, 6], seed=6)
     names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
-    requests, engine = run("llama", prompts, names, lora_config(max_loras=2))
+    requests, engine = run("llama", prompts, names, lora_config(max_loras=2), waves=2)
     check("llama", requests, prompts, names)
     stats = engine.stats()
-    assert stats["lora_evictions"] > 0 and stats["lora_slot_loads"] > 4 and stats["lora_resident"] == 2
+    assert max(per_step) == 2 and stats["lora_resident"] == 2
+    assert stats["lora_evictions"] > 2 and stats["lora_slot_loads"] == 2 + stats["lora_evictions"] > 4
 
 
 def test_packed_float32_projections_carry_the_delta() -> None:
@@ -279,7 +286,7 @@ def _edited_adapter(tmp_path: Path, arch: str = "llama", name: str = "all", **co
     ({"bias": "all"}, "bias='all' is not supported"),
     ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
-    ({"r": 3}, r"needs lora_A \[3, 64\]"),
+    ({"r": 3}, r"needs lora_A \[3, \d+\] and lora_B \[\d+, 3\] \(r=3\), got \[4, "),
     ({"target_modules": ["q_proj"]}, "target_modules"),
 ])
 def test_unsupported_adapters_are_refused_naming_the_field(tmp_path: Path, fields: dict, message: str) -> None:
