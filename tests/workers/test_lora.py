@@ -66,8 +66,9 @@ def merged_model(arch: str, name: str | None) -> torch.nn.Module:
 
 
 @functools.cache
-def reference(arch: str, name: str | None, prompt: tuple[int, ...]) -> tuple[list[int], list[float]]:
-    return reference_generate(merged_model(arch, name), list(prompt), MAX_NEW)
+def reference(arch: str, name: str | None, prompt: tuple[int, ...], max_new: int = MAX_NEW
+              ) -> tuple[list[int], list[float]]:
+    return reference_generate(merged_model(arch, name), list(prompt), max_new)
 
 
 def lora_config(**fields) -> cbserve.ContinuousBatchingConfig:
@@ -75,10 +76,10 @@ def lora_config(**fields) -> cbserve.ContinuousBatchingConfig:
                                                "enable_lora": True, "max_loras": 4, "num_blocks": 256, **fields})
 
 
-def run(arch: str, prompts: list[list[int]], names: list[str | None], cfg, waves: int = 1):
+def run(arch: str, prompts: list[list[int]], names: list[str | None], cfg, waves: int = 1, max_new: int = MAX_NEW):
     """The engine on `prompts`, request i with adapter `names[i]` (loaded by name first); `waves`:
     the requests are submitted in that many groups, each after the previous one finished."""
-    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
     folders = {name: adapter_dir(arch, name) for name in ADAPTERS}  # made from the model before an engine takes it
     engine = build_engine(base_model(arch), gc, cfg)
     requests = []
@@ -97,8 +98,8 @@ def run(arch: str, prompts: list[list[int]], names: list[str | None], cfg, waves
     return requests, engine
 
 
-def check(arch: str, requests, prompts, names) -> None:
-    refs = [reference(arch, name, tuple(p)) for p, name in zip(prompts, names)]
+def check(arch: str, requests, prompts, names, max_new: int = MAX_NEW) -> None:
+    refs = [reference(arch, name, tuple(p), max_new) for p, name in zip(prompts, names)]
     assert_matches_reference(requests, refs)
 
 
@@ -307,3 +308,16 @@ def test_rank_above_max_lora_rank_is_refused() -> None:
         assert engine.list_loras() == {}
     finally:
         engine.release_model()
+
+
+def test_speculative_rows_carry_their_adapter() -> None:
+    """n-gram speculation: a request's proposed rows run with its adapter too (verified exact)."""
+    prompts = []
+    for seed in (4, 7):  # prompts that repeat themselves: the proposer finds n-grams in them
+        for n in (5, 12):
+            seg = random_prompts([n], seed=seed)[0]
+            prompts.append(seg + seg[: n // 2] + seg)
+    names = ["all", "attn", None, "mlp"]
+    requests, engine = run("llama", prompts, names, lora_config(speculative={"method": "ngram"}), max_new=32)
+    check("llama", requests, prompts, names, max_new=32)
+    assert engine.scheduler.num_accepted_tokens > 0
