@@ -82,3 +82,15 @@ def test_the_replica_request_path_runs_the_adapter() -> None:
             outs[lora] = [out for out in manager.request_id_iter(rid)][-1].generated_tokens
     assert outs["sql"] == reference("llama", "all", tuple(prompt))[0]
     assert outs[None] == reference("llama", None, tuple(prompt))[0] != outs["sql"]
+
+
+def test_batch_lines_carry_their_adapter() -> None:
+    from cbserve.batch.requests import RequestDefaults, to_worker_request
+    from cbserve.batch.schema import BatchLine
+
+    line = BatchLine.model_validate({"id": 1, "input_ids": [1, 2, 3], "lora": "sql"})
+    assert to_worker_request(line, "r", RequestDefaults(), chat_template=False).sampling.lora == "sql"
+    plain = BatchLine.model_validate({"id": 2, "input_ids": [1, 2, 3]})
+    assert to_worker_request(plain, "r", RequestDefaults(), chat_template=False).sampling.lora is None
+    with pytest.raises(ValueError, match="lora"):
+        BatchLine.model_validate({"id": 1, "input_ids": [1, 2, 3], "lora": 5})
