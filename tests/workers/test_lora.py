@@ -77,12 +77,16 @@ def test_mixed_adapters_equal_peft_merged_models(arch: str) -> None:
     assert len({tuple(reference(arch, n, tuple(prompts[1]))[0]) for n in NAMES}) == len(NAMES)
 
 
-def test_preemption_with_adapters() -> None:
+@pytest.mark.parametrize("offload", [0.0, 0.01])
+def test_preemption_with_adapters(offload: float) -> None:
+    """Preempted requests are recomputed (or, with a host pool, restored) with their adapter."""
     prompts = random_prompts([30, 45, 20, 38, 27, 41, 33, 24], seed=4)
     names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
-    requests, engine = run("llama", prompts, names, lora_config(num_blocks=24, allow_block_sharing=False))
+    cfg = lora_config(num_blocks=24, allow_block_sharing=False, cpu_offload_space=offload)
+    requests, engine = run("llama", prompts, names, cfg)
     check("llama", requests, prompts, names)
     assert engine.scheduler.num_preemptions > 0
+    assert (engine.stats()["restores"] > 0) == bool(offload)
 
 
 def test_prefix_cache_pages_are_never_shared_across_adapters() -> None:
