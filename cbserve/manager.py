@@ -210,7 +210,9 @@ class ContinuousBatchingManager:
         by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
         `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;
         `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt);
-        `speculative=False` keeps the request out of the engine's speculative decoding; `lora=` a LoRA
+        `speculative=False` keeps the request out of the engine's speculative decoding;
+        `resume_tokens=` the output so far of a request begun on another engine (stream migration:
+        they count as generated, come back in its result but are not streamed again); `lora=` a LoRA
         adapter (`load_lora`'s name, or a PEFT adapter folder) the request runs with (enable_lora)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
@@ -236,6 +238,7 @@ class ContinuousBatchingManager:
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             speculative = validation.speculative(sampling_args.pop("speculative", True))
+            resume_tokens = sampling_args.pop("resume_tokens", None)  # stream migration: Request.resume
             lora = sampling_args.pop("lora", None)  # a LoRA adapter's name or folder
             share = validation.scheduling(self.config.priority_scheduling, **{
                 k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS if k in sampling_args})
@@ -250,7 +253,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling, grammar, lora,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens, lora,
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)

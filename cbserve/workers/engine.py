@@ -32,7 +32,7 @@ from cbserve.workers.model_runner import num_sampled_rows
 from cbserve.workers.parallel.groups import TensorParallelError
 from cbserve.workers.sampler import prompt_logprobs
 from cbserve.workers.speculative import sample_with_drafts
-from cbserve.workers.structured import Grammar
+from cbserve.workers.structured import Grammar, check_grammar_accepts
 
 if TYPE_CHECKING:
     from cbserve.scheduler.block_manager import BlockManager
@@ -171,12 +171,14 @@ class EngineCore:
         eos_token_id: int | list[int] | None = None,
         sampling: SamplingParams | None = None,
         grammar: Grammar | None = None,
+        resume_tokens: list[int] | None = None,
         lora: str | None = None,
     ) -> Request:
         """Validate a request at the boundary (`workers/validation.py`); every error names the
         argument and its range. `sampling`: already validated (`validation.sampling`); `grammar`: compiled
-        for this model (`StructuredOutputs.compile`); `lora`: a loaded adapter's name or an adapter
-        folder (`resolve_lora`)."""
+        for this model (`StructuredOutputs.compile`); `resume_tokens`: the output so far of a request
+        continued here (stream migration, `Request.resume`); `lora`: a loaded adapter's name or an
+        adapter folder (`resolve_lora`)."""
         if self.parallel is not None:
             self.parallel.check_health()  # refused at the boundary: the group is gone
         validation.request_id(request_id, self.requests)
@@ -192,8 +194,9 @@ class EngineCore:
             sampling = dataclasses.replace(sampling, min_new_tokens=gc.min_length - len(prompt))
         eos_ids = eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id)
         validation.constraint_fits(grammar, sampling.min_new_tokens, eos_ids | set(sampling.stop_token_ids))
+        resumed = validation.resume_tokens(resume_tokens, self.shape.vocab_size, max_new_tokens)
         lora_id = self.resolve_lora(lora)
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_ids=prompt,
             max_new_tokens=max_new_tokens,
@@ -204,6 +207,17 @@ class EngineCore:
             grammar=grammar,
             lora_id=lora_id,
         )
+        if resumed:
+            if sampling.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with resume_tokens (a continued "
+                                          "request's prompt was answered where it began)")
+            request.resume(resumed)
+            if grammar is not None:
+                check_grammar_accepts(grammar, resumed)
+            if request.stop_reason() is not None:
+                raise InvalidRequestError("resume_tokens", "resume_tokens: the output is already complete (it ends "
+                                          "with a stop token or reaches max_new_tokens)")
+        return request
 
     # -- LoRA adapters (workers/lora_slots.py) ---------------------------------------------------
 
