@@ -1,10 +1,10 @@
 """LoRA deltas for every row of a packed batch, whatever adapter each row uses, in one computation.
 
 Each adapted projection holds the low-rank factors of every resident adapter side by side: slot s
-of `max_loras` owns columns [s * r, (s + 1) * r) of `a` ([max_loras * r, in]) and of `b`
-([out, max_loras * r]), r = `max_lora_rank` (a smaller rank is zero-padded). A step's rows each
-use one slot or none (the base model); `LoraBatch.mask` ([T, max_loras * r]) holds the row's
-adapter scaling on its slot's columns and zeros elsewhere, so
+of `max_loras` owns rows [s * r, (s + 1) * r) of `a` ([max_loras * r, in]) and those columns of
+`b` ([out, max_loras * r], the adapter's scaling folded in), r = `max_lora_rank` (a smaller rank
+is zero-padded). A step's rows each use one slot or none (the base model); `LoraBatch.mask`
+([T, max_loras * r]) holds ones on the row's slot's columns and zeros elsewhere, so
 
     y = base(x) + ((x @ a.T) * mask) @ b.T
 
@@ -22,8 +22,8 @@ import torch
 
 
 class LoraBatch:
-    """The step's rows as the adapted projections see them: `mask` [T, max_loras * r] (each row's
-    scaling on its adapter's columns), or None when no row of the step uses an adapter.
+    """The step's rows as the adapted projections see them: `mask` [T, max_loras * r] (ones on each
+    row's adapter's columns), or None when no row of the step uses an adapter.
 
     Per thread: the engine's step sets it in the thread that runs the pass, so a plain forward of
     the model from another thread (the model stays its owner's) gets no delta."""
