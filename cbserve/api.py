@@ -42,25 +42,39 @@ def generate_batch(
     persistent_manager: bool = False,
     warmup: bool = True,
     max_new_tokens: int | None = None,
+    lora: str | list[str | None] | None = None,
 ) -> dict[str, GenerationOutput]:
     """Run every prompt; returns outputs keyed "req_0", "req_1", ... in input order. A prompt the
     engine refuses gets a FAILED output naming the error (`error`, `exception`) and the others run.
+    `lora` (enable_lora): one LoRA adapter for every prompt, or one per prompt (None: the base
+    model), each a PEFT adapter folder or the name of one loaded on the persistent manager.
     Without a persistent manager the engine is sized for these prompts and dropped afterwards;
     with `persistent_manager=True`, or when a manager waits on the model, the prompts go through
     that manager (kept on the model afterwards when `persistent_manager`)."""
     if not inputs:
         return {}
+    loras = per_prompt_loras(lora, len(inputs))
     if not persistent_manager and cached_manager(model) is None:
         config = engine_config.resolve(continuous_batching_config, generation_config)
         return offline.generate(model, inputs, generation_config, config, progress_bar, max_new_tokens,
-                                record_timestamps)
+                                record_timestamps, loras)
     gc = generation_config or model.generation_config
     new = max_new_tokens or gc.max_new_tokens or 20
     longest = max(len(_tokens(p)) for p in inputs) + new
     hints = Workload(max_total_tokens=len(inputs) * longest, num_requests=len(inputs), max_request_tokens=longest)
     with continuous_batching(model, generation_config, continuous_batching_config, persistent_manager,
                              block=True, timeout=5, warmup=warmup, workload_hints=hints) as manager:
-        return _run_through(manager, inputs, max_new_tokens, record_timestamps, progress_bar)
+        return _run_through(manager, inputs, max_new_tokens, record_timestamps, progress_bar, loras)
+
+
+def per_prompt_loras(lora: str | list[str | None] | None, count: int) -> list[str | None]:
+    """generate_batch's `lora` as one entry per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * count
+    if not isinstance(lora, (list, tuple)) or len(lora) != count:
+        raise InvalidRequestError("lora", f"lora must be one adapter for all prompts or a list of one per prompt "
+                                  f"({count} entries), got {lora!r:.200}")
+    return list(lora)
 
 
 def _tokens(prompt: Any) -> list:
@@ -71,7 +85,7 @@ def _tokens(prompt: Any) -> list:
 
 
 def _run_through(manager: ContinuousBatchingManager, inputs: list[list[int]], max_new_tokens: int | None,
-                 record_timestamps: bool, progress_bar: bool) -> dict[str, GenerationOutput]:
+                 record_timestamps: bool, progress_bar: bool, loras: list[str | None]) -> dict[str, GenerationOutput]:
     """generate_batch on a running manager: each prompt submitted on its own (a refused one gets a
     FAILED output), those sharing prefixes next to each other, as the queue has room
     (`max_queue_size`); outputs in input order."""
@@ -84,7 +98,7 @@ def _run_through(manager: ContinuousBatchingManager, inputs: list[list[int]], ma
                 i = pending[0]
                 try:
                     manager.add_request(inputs[i], request_id=ids[i], max_new_tokens=max_new_tokens,
-                                        record_timestamps=record_timestamps)
+                                        record_timestamps=record_timestamps, lora=loras[i])
                 except QueueFullError:
                     break
                 except InvalidRequestError as error:

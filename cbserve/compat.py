@@ -76,13 +76,14 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """transformers' `generate_batch`: outputs keyed "req_0", ... in input order, failed requests
     included (status FAILED). `max_new_tokens` is the one keyword transformers reads from `kwargs`;
-    others are ignored, as there, with a warning here."""
+    others are ignored, as there, with a warning here, but cbserve's `lora` (its LoRA adapters)."""
     max_new_tokens = kwargs.pop("max_new_tokens", None)
+    lora = kwargs.pop("lora", None)
     if kwargs:
         logger.warning("generate_batch ignores %s (transformers reads only max_new_tokens from its kwargs)",
                        sorted(kwargs))
     return api.generate_batch(self, inputs, generation_config, continuous_batching_config, progress_bar,
-                              record_timestamps, persistent_manager, warmup, max_new_tokens)
+                              record_timestamps, persistent_manager, warmup, max_new_tokens, lora)
 
 
 _FUNCTIONS = {

@@ -185,6 +185,16 @@ class ContinuousBatchingConfig(BaseModel):
         "its owner) to pull missed prefix pages from and publish computed ones to; needs cpu_offload_space != 0 "
         "(pulled pages are staged in the engine's host pool), prefix caching and tp_size=1"
     )
+    # Multi-LoRA serving (workers/lora_slots.py), vLLM's names.
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (PEFT format) on the attention and MLP projections: requests name "
+        "one with lora=..., the base model without"
+    )
+    max_loras: int = Field(
+        1, ge=1, le=64, description="adapters resident at once (least recently used evicted to host memory); the "
+        "running requests use at most this many adapters"
+    )
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank r accepted")
     # Deprecated aliases.
     block_size: int | None = Field(None, ge=4, exclude=True)
     scheduler_type: Literal["fifo", "prefill_first"] | None = Field(None, exclude=True)
@@ -267,6 +277,28 @@ class ContinuousBatchingConfig(BaseModel):
         if self.use_async_batching or (any(graphs) if isinstance(graphs, tuple) else graphs):
             raise ValueError("batch_invariant=True runs on the CPU backend: use_cuda_graph and use_async_batching "
                              "must be off")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs(self) -> ContinuousBatchingConfig:
+        """The LoRA delta runs in the eager forward passes of one process: refuse what would skip it."""
+        if not self.enable_lora:
+            return self
+        graphs = self.use_cuda_graph
+        refused = {
+            "tp_size > 1": self.tp_size > 1,  # adapters are not sharded yet
+            "quantization='auto'": self.quantization != "none",
+            "torch.compile (default_compile_level > 0 or a compile config)":
+                bool(self.default_compile_level or self.varlen_compile_config or self.decode_compile_config),
+            "use_cuda_graph": any(graphs) if isinstance(graphs, tuple) else bool(graphs),
+            "use_async_batching": bool(self.use_async_batching),
+            "batch_invariant=True": bool(self.batch_invariant),
+            "node_kv_pool": self.node_kv_pool is not None,  # its page keys know no adapter
+        }
+        for what, on in refused.items():
+            if on:
+                raise ValueError(f"enable_lora=True cannot be combined with {what} (not supported with LoRA "
+                                 "adapters yet)")
         return self
 
     def resolved_parent_step_tokens(self, device_type: str) -> int | None:

@@ -212,7 +212,8 @@ class ContinuousBatchingManager:
         `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt);
         `speculative=False` keeps the request out of the engine's speculative decoding;
         `resume_tokens=` the output so far of a request begun on another engine (stream migration:
-        they count as generated, come back in its result but are not streamed again)."""
+        they count as generated, come back in its result but are not streamed again); `lora=` a LoRA
+        adapter (`load_lora`'s name, or a PEFT adapter folder) the request runs with (enable_lora)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -238,6 +239,7 @@ class ContinuousBatchingManager:
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             speculative = validation.speculative(sampling_args.pop("speculative", True))
             resume_tokens = sampling_args.pop("resume_tokens", None)  # stream migration: Request.resume
+            lora = sampling_args.pop("lora", None)  # a LoRA adapter's name or folder
             share = validation.scheduling(self.config.priority_scheduling, **{
                 k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS if k in sampling_args})
             sampling = self._sampling(sampling_args)
@@ -251,7 +253,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens, lora,
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)
@@ -262,6 +264,22 @@ class ContinuousBatchingManager:
             self._loop.queue(sorted(requests, key=lambda r: r.prompt_ids) if group_prefixes else requests,
                              record_timestamps)
         return [r.request_id for r in requests]
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read the PEFT adapter folder `path` (enable_lora) into host memory; requests then name it
+        with `lora=name`. It becomes resident (one of `max_loras`) when a step needs it."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`; refused (`InvalidRequestError`) while an unfinished request uses it."""
+        with self._cond:  # no request for it can be submitted meanwhile
+            self.engine.unload_lora(name, list(self._live.values()))
+
+    def list_loras(self) -> dict[str, str]:
+        """Loaded adapters: name -> folder."""
+        return self.engine.list_loras()
 
     def next_request_ids(self, count: int) -> list[str]:
         """Reserve `count` ids of the kind `add_request` gives ("req_<n>"), for requests added later."""

@@ -70,7 +70,7 @@ def _sampling(line: BatchLine, defaults: RequestDefaults) -> Sampling:
         frequency_penalty=line.frequency_penalty, logit_bias=logit_bias(line.logit_bias), min_tokens=line.min_tokens,
         ignore_eos=line.ignore_eos or None, stop_token_ids=line.stop_token_ids, top_logprobs=line.top_logprobs or None,
         prompt_logprobs=line.prompt_logprobs, cache_salt=line.cache_salt, speculative=line.speculative,
-        priority=line.priority or None,
+        lora=line.lora, priority=line.priority or None,
     )
 
 

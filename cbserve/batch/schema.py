@@ -63,6 +63,8 @@ class BatchLine(StructuredFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the k most likely")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's, and k top")
     cache_salt: str | None = Field(None, description="vLLM's: prefix pages shared only among lines of one salt")
+    lora: str | None = Field(None, min_length=1, description="the LoRA adapter the line runs with: a name of the "
+                             "engines' lora_modules (or an adapter folder they can read); none: the base model")
     speculative: bool | None = Field(None, strict=True, description="false: the line is kept out of the engine's "
                                      "speculative decoding")
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description="vLLM's: lower runs first (needs the engine's "

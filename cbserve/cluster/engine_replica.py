@@ -122,6 +122,8 @@ class EngineReplica:
             generation_config=manager_generation_config(model, eos),
             continuous_batching_config=engine,
         )
+        for name, path in self.args.lora_modules.items():  # every replica holds every declared adapter
+            self.manager.load_lora(name, path)
         self.manager.start()
         self.info = ModelInfo(
             eos_token_id=eos,

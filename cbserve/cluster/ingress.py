@@ -310,9 +310,11 @@ class OpenAIIngress:
             self._check_auth(request)
         except APIError as exc:
             return self._error(exc)
-        card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name,
-                         max_model_len=await self._max_model_len())
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        max_len = await self._max_model_len()
+        card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name, max_model_len=max_len)
+        adapters = [ModelCard(id=name, root=path, parent=self.args.model_name, max_model_len=max_len)
+                    for name, path in self.args.lora_modules.items()]
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
     async def _max_model_len(self) -> int | None:
         """The longest prompt + output, as a replica reports it (asked once; None while none answers)."""

@@ -144,6 +144,10 @@ class ClusterArgs(Strict):
                                "else float32 (ray_config.yaml's choice); float32 is the default of build_app"
     )
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks per worker replica")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters every worker replica loads at start (vLLM's --lora-modules): "
+        "name clients pass as `model` -> PEFT adapter folder; needs engine.enable_lora"
+    )
     engine: ContinuousBatchingConfig = Field(
         default_factory=ContinuousBatchingConfig, description="the engine's settings; each replica adds the fields "
         "the cluster owns (CLUSTER_OWNED_ENGINE_FIELDS, `engine_replica.engine_config`)"
@@ -189,6 +193,11 @@ class ClusterArgs(Strict):
     def _check_cluster(self) -> ClusterArgs:
         if self.cpu_offload.node_pool and self.tp_size > 1:
             raise ValueError(f"cpu_offload.node_pool works with tp_size 1 only, got tp_size {self.tp_size}")
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ValueError("lora_modules needs engine.enable_lora: true")
+        clash = {self.model_name, self.model} & self.lora_modules.keys()
+        if clash:
+            raise ValueError(f"lora_modules: {min(clash)!r} is the base model's name; give the adapter another")
         return self
 
     @property

@@ -7,7 +7,8 @@ until their memory is needed again (least recently freed are reused first).
 
 A request's `cache_salt` (vLLM's) is the parent of its first page (a stable digest of it; no
 salt: NO_HASH), so the whole chain differs per salt: its prefix pages are never shared with a
-request of another salt or of none, even for the same tokens.
+request of another salt or of none, even for the same tokens. A request's LoRA adapter (its
+`lora_id`) roots the chain the same way: its pages hold K/V its adapter computed.
 """
 
 from __future__ import annotations
@@ -35,13 +36,22 @@ def page_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def salt_root(cache_salt: str | None) -> int:
-    """The parent hash of a request's first page: NO_HASH without a salt, else a digest of it
-    (blake2b: stable across processes, and not steerable onto another salt's root)."""
-    if cache_salt is None:
+def salt_root(cache_salt: str | None, lora_id: int | None = None) -> int:
+    """The parent hash of a request's first page: NO_HASH without a salt or an adapter, else a
+    digest of them (blake2b: stable across processes, and not steerable onto another salt's root;
+    an adapter's roots are digested under their own `person`, so no salt can reach one)."""
+    if cache_salt is None and lora_id is None:
         return NO_HASH
-    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"cbserve-salt").digest()
-    return int.from_bytes(digest, "little", signed=True)
+    if lora_id is None:
+        digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"cbserve-salt")
+    else:
+        salt = b"" if cache_salt is None else b"=" + cache_salt.encode()
+        digest = hashlib.blake2b(b"%d" % lora_id + salt, digest_size=8, person=b"cbserve-lora")
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def chain_root(request: Request) -> int:
+    return salt_root(request.cache_salt, request.lora_id)
 
 
 class BlockManager:
@@ -82,7 +92,7 @@ class BlockManager:
     def prompt_hashes(self, request: Request) -> list[int]:
         """The hash chain of the request's full prompt pages, computed once."""
         if request.prompt_page_hashes is None:
-            chain, parent, ps = [], salt_root(request.cache_salt), self.page_size
+            chain, parent, ps = [], chain_root(request), self.page_size
             for i in range(len(request.prompt_ids) // ps):
                 parent = page_hash(parent, tuple(request.prompt_ids[i * ps : (i + 1) * ps]))
                 chain.append(parent)
@@ -110,7 +120,7 @@ class BlockManager:
         """Attach cached full pages of the request's tokens; the last token is always computed."""
         if not self.enable_prefix_caching or request.block_ids:
             return
-        parent = salt_root(request.cache_salt)
+        parent = chain_root(request)
         max_pages = (request.num_tokens - 1) // self.page_size
         for i in range(max_pages):
             tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])
@@ -173,7 +183,7 @@ class BlockManager:
         i = request.num_hashed_blocks
         if i >= num_full:
             return
-        parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else salt_root(request.cache_salt)
+        parent = self.blocks[request.block_ids[i - 1]].hash if i > 0 else chain_root(request)
         for i in range(request.num_hashed_blocks, num_full):
             block = self.blocks[request.block_ids[i]]
             tokens = tuple(request.tokens[i * self.page_size : (i + 1) * self.page_size])

@@ -101,6 +101,9 @@ class Request:
     # vLLM's cache_salt: mixed into the hash of the first page, so this request's prefix pages are
     # shared only with requests of the same salt (none: only with requests without one).
     cache_salt: str | None = None
+    # The LoRA adapter the request runs with (`workers/lora_slots.py`'s id of one load); None: the
+    # base model. Roots the prefix hash chain too: pages are never shared across adapters.
+    lora_id: int | None = None
     # Speculative decoding, when the engine has it: False opts this request out.
     speculative: bool = True
     # Leading pages given back because they left every layer's sliding window.

@@ -102,6 +102,7 @@ class Scheduler:
         proposer: Proposer | None = None,
         speculate_below: int | None = None,
         num_speculative_tokens: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_batch_tokens = max_batch_tokens
@@ -119,6 +120,8 @@ class Scheduler:
         self._transfers: list[KVTransfer] = []
         # Speculative decoding: proposals in steps with fewer than `speculate_below` decoding requests.
         self.proposer, self.speculate_below = proposer, speculate_below
+        # LoRA: the running requests use at most this many adapters (all resident in one step).
+        self.max_loras = max_loras
         # With sliding-window layers only: how far back a query sees (pages before are released).
         self.release_window = release_window
         # Called with each pass's advanced entries, before their tokens are taken (the node pool).
@@ -302,6 +305,13 @@ class Scheduler:
         """Its parent request already has its most choices running (room left for others)."""
         return request.parent_id is not None and self.shares.parent(request).running >= self.max_running_per_parent
 
+    def _adapters_full(self, request: Request) -> bool:
+        """Its LoRA adapter would be one more than `max_loras` among the running requests'."""
+        if request.lora_id is None or self.max_loras is None:
+            return False
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
+        return request.lora_id not in adapters and len(adapters) >= self.max_loras
+
     def _candidates(self, limits: StepLimits, budget: int) -> list[Request]:
         """The waiting requests that could be admitted this step: of each tenant's parent (FIFO
         within it), at most as many as it has step tokens left, none of a full parent; so a
@@ -328,6 +338,8 @@ class Scheduler:
             if not self._may_admit(batch, budget):
                 break
             if request.num_inflight or self._parent_full(request):  # a token still on the device: next step
+                continue
+            if self._adapters_full(request):  # waits for a running adapter's requests to finish
                 continue
             if not limits.room(request, 1):  # its tenant or parent has had its tokens this step
                 continue

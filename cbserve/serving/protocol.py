@@ -41,6 +41,7 @@ class Sampling(BaseModel):
     prompt_logprobs: int | None = Field(None, description="None: none; k: each prompt token's and k top ones")
     cache_salt: str | None = None  # vLLM's: prefix pages shared only among requests of one salt
     speculative: bool | None = None  # False: out of the engine's speculative decoding
+    lora: str | None = None  # the LoRA adapter it runs with (the front's, from `model`); None: the base model
     # The engine's fair share (cbserve/scheduler/fair_share.py): vLLM's priority (lower runs first);
     # the tenant and the parent request (one API call) are set by the server, never by a client.
     priority: int | None = None

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from cbserve.scheduler.scheduler import Scheduler
     from cbserve.workers.kv.cache import PagedKVCache
     from cbserve.workers.kv.host_pool import HostKVPool
+    from cbserve.workers.lora_slots import LoraSlots
     from cbserve.workers.model_runner import ModelRunner
     from cbserve.workers.model_shape import ModelShape
     from cbserve.workers.parallel.leader import TensorParallelLeader
@@ -79,6 +80,7 @@ class EngineParts:
     sampler: Sampler
     pack_weights: bool
     packed_linears: list
+    lora: LoraSlots | None = None  # enable_lora: the adapters and their slots in the model's projections
 
 
 class EngineCore:
@@ -109,6 +111,7 @@ class EngineCore:
         self.sampler = parts.sampler
         self._pack_weights = parts.pack_weights
         self.packed_linears = parts.packed_linears
+        self.lora = parts.lora
         model_sharing.take_attention(model, self)  # the engine is the holder: dropped, it lets go
         self.holds_model = True  # its attention, linears and compiled layers are the engine's (take_model)
         self.parallel = parallel
@@ -136,6 +139,8 @@ class EngineCore:
         if not self.holds_model:
             return
         packed_linear.unpack_linears(self.packed_linears)
+        if self.lora is not None:
+            self.lora.detach()
         self.runner.forward.restore()
         model_sharing.give_back_attention(self.model, self)
         self.holds_model = False
@@ -145,6 +150,8 @@ class EngineCore:
             return
         model_sharing.take_attention(self.model, self)
         self.runner.forward.install()
+        if self.lora is not None:  # around the model's projections, before they are packed
+            self.lora.attach()
         self.packed_linears = (packed_linear.pack_linears(self.model, self.config.batch_invariant)
                                if self._pack_weights else [])
         self.holds_model = True
@@ -165,11 +172,13 @@ class EngineCore:
         sampling: SamplingParams | None = None,
         grammar: Grammar | None = None,
         resume_tokens: list[int] | None = None,
+        lora: str | None = None,
     ) -> Request:
         """Validate a request at the boundary (`workers/validation.py`); every error names the
         argument and its range. `sampling`: already validated (`validation.sampling`); `grammar`: compiled
         for this model (`StructuredOutputs.compile`); `resume_tokens`: the output so far of a request
-        continued here (stream migration, `Request.resume`)."""
+        continued here (stream migration, `Request.resume`); `lora`: a loaded adapter's name or an
+        adapter folder (`resolve_lora`)."""
         if self.parallel is not None:
             self.parallel.check_health()  # refused at the boundary: the group is gone
         validation.request_id(request_id, self.requests)
@@ -186,6 +195,7 @@ class EngineCore:
         eos_ids = eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id)
         validation.constraint_fits(grammar, sampling.min_new_tokens, eos_ids | set(sampling.stop_token_ids))
         resumed = validation.resume_tokens(resume_tokens, self.shape.vocab_size, max_new_tokens)
+        lora_id = self.resolve_lora(lora)
         request = Request(
             request_id=request_id,
             prompt_ids=prompt,
@@ -195,6 +205,7 @@ class EngineCore:
             streaming=streaming,
             return_logprobs=self.config.return_logprobs,
             grammar=grammar,
+            lora_id=lora_id,
         )
         if resumed:
             if sampling.prompt_logprobs is not None:
@@ -207,6 +218,35 @@ class EngineCore:
                 raise InvalidRequestError("resume_tokens", "resume_tokens: the output is already complete (it ends "
                                           "with a stop token or reaches max_new_tokens)")
         return request
+
+    # -- LoRA adapters (workers/lora_slots.py) ---------------------------------------------------
+
+    def resolve_lora(self, lora: str | None) -> int | None:
+        """The adapter id of a request's `lora` (a loaded adapter's name, or a folder, loaded on
+        first use); None for the base model."""
+        if lora is not None and self.lora is None:
+            raise InvalidRequestError("lora", f"lora={lora!r} needs an engine built with enable_lora=True")
+        return None if self.lora is None else self.lora.resolve(lora)
+
+    def load_lora(self, name: str, path: str) -> None:
+        if self.lora is None:
+            raise InvalidRequestError("lora_name", "loading LoRA adapters needs an engine built with enable_lora=True")
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str, live: list[Request]) -> None:
+        """Forget adapter `name`; refused while a request of `live` (the caller's, not yet
+        finished, queued ones included) uses it."""
+        if self.lora is None or name not in self.lora.ids:
+            raise InvalidRequestError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+        users = [r.request_id for r in live if r.lora_id == self.lora.ids[name] and r.live]
+        if users:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is used by {len(users)} unfinished requests "
+                                      f"({', '.join(users[:5])}); unload it when they are done")
+        self.lora.unload(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """Loaded adapters: name -> folder."""
+        return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
 
     def default_sampling(self) -> SamplingParams:
         return self._default_sampling
@@ -407,5 +447,6 @@ class EngineCore:
             "spec_decode_num_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.scheduler.accepted_per_position),
+            **(self.lora.stats() if self.lora is not None else {}),
         }
 

@@ -25,6 +25,7 @@ from cbserve.workers.engine import EngineCore, EngineParts
 from cbserve.workers.kv import node_client
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.kv.host_pool import HostKVPool
+from cbserve.workers.lora_slots import LoraSlots
 from cbserve.workers.model_runner import ModelRunner
 from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.sampler import Sampler
@@ -82,12 +83,17 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     scheduler = Scheduler(block_manager, sizes.max_batch_tokens, sizes.max_requests, config.scheduler,
                           config.resolved_safety_margin, host_pages, config.parent_share, sizes.release_window,
                           parent_step_tokens=config.resolved_parent_step_tokens(device.type),
-                          held_step_tokens=config.held_step_tokens, **speculation(config, model))
+                          held_step_tokens=config.held_step_tokens,
+                          max_loras=config.max_loras if config.enable_lora else None, **speculation(config, model))
     if node_pool is not None:  # computed prompt pages, for the node's other engines
         scheduler.on_computed = node_pool.after_step
     attention_backend = attention_backends.select(config.attention_backend, device, config.page_size,
                                                   config.auto_switch_to_flash, config.batch_invariant)
     runner = build_runner(model, config, cache, attention_backend, sizes, dtype)
+    lora = None
+    if config.enable_lora:  # its projections go around the model's, before those are packed
+        lora = runner.lora = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        lora.attach()
     packed_linears = packed_linear.pack_linears(model, config.batch_invariant) if pack_weights else []
     if parallel is not None:
         runner = parallel.wrap_runner(runner)  # each step's inputs reach the other ranks
@@ -98,7 +104,7 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
         sizes.num_blocks, config.page_size, cache.nbytes / 2**20, sizes.max_batch_tokens, sizes.max_requests,
     )
     return EngineParts(shape, sizes, cache, block_manager, host_pool, node_pool, scheduler, attention_backend,
-                       runner, Sampler(shape.vocab_size, config.seed), pack_weights, packed_linears)
+                       runner, Sampler(shape.vocab_size, config.seed), pack_weights, packed_linears, lora)
 
 
 def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dict:
@@ -144,8 +150,9 @@ def build_runner(model: torch.nn.Module, config: ContinuousBatchingConfig, cache
     )
     kernels = attention_backends.kernels(attention_backend, config.batch_invariant, dtype)
     runner = ModelRunner(model, cache, forward, kernels, sizes.fast_path_width)
-    runner.graphs = build_step_graphs(config, runner, attention_backend, sizes.max_requests,
-                                      sizes.max_batch_tokens)
+    if not config.enable_lora:  # graphs would replay one step's adapter rows (refused when asked for)
+        runner.graphs = build_step_graphs(config, runner, attention_backend, sizes.max_requests,
+                                          sizes.max_batch_tokens)
     return runner
 
 

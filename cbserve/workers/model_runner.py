@@ -15,6 +15,7 @@ from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import StepGraphs
 from cbserve.workers.input_staging import InputStaging
 from cbserve.workers.kv.cache import PagedKVCache
+from cbserve.workers.lora_slots import LoraSlots
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ModelRunner:
         self.max_blocks_per_request = max_blocks_per_request
         self.tables = BlockTables(max_blocks_per_request or 32)
         self.graphs: StepGraphs | None = None  # set by the engine when CUDA graphs are on
+        self.lora: LoraSlots | None = None  # set by the factory with enable_lora
         self._float_logits = torch.empty(0)  # `_as_float`'s buffer
         # The last prepared step's prompt-logprob rows, after its sampled rows in the logits:
         # (request, first prompt position they predict, how many).
@@ -80,7 +82,7 @@ class ModelRunner:
         """
         decodes = [s for s in batch if is_decode(s)]
         prefills = [s for s in batch if not is_decode(s)]
-        ordered = decodes + prefills
+        ordered = self._set_adapters(decodes + prefills)
         context_lens = [s.request.num_computed + s.num_query_tokens for s in ordered]
         width = -(-max(context_lens) // self.page_size)
         fast = bool(decodes) and not prefills and 0 < width <= self.max_blocks_per_request
@@ -129,6 +131,12 @@ class ModelRunner:
         kwargs = {"input_ids": ids[None], "position_ids": position_ids[None], "logits_to_keep": logits_to_keep,
                   "cb_meta": meta, "use_cache": False}
         return kwargs, decodes + [s for s in prefills if s.sample]
+
+    def _set_adapters(self, ordered: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """With LoRA, each row's adapter for the pass's adapted projections; returns `ordered`."""
+        if self.lora is not None:
+            self.lora.prepare([(s.request.lora_id, s.num_query_tokens) for s in ordered])
+        return ordered
 
     def _decode_rows(self, rows: _Rows, decodes: list[ScheduledRequest], table: torch.Tensor,
                      lens: torch.Tensor) -> list[int]:
@@ -193,7 +201,11 @@ class ModelRunner:
             logits = self.graphs.run(kwargs)
             if logits is not None:
                 return logits.float()
-        return self._as_float(self.forward(kwargs, decode_only=not meta.prefills))
+        try:
+            return self._as_float(self.forward(kwargs, decode_only=not meta.prefills))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     def _as_float(self, logits: torch.Tensor) -> torch.Tensor:
         """float32 logits. On a CPU, half-precision logits are converted into a buffer kept from

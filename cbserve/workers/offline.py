@@ -30,6 +30,7 @@ def generate(
     progress_bar: bool,
     max_new_tokens: int | None = None,
     record_timestamps: bool = False,
+    loras: list[str | None] | None = None,
 ) -> dict[str, GenerationOutput]:
     config = config or ContinuousBatchingConfig()
     launched = config.tp_size > 1 and _launched_ranks(config)
@@ -49,7 +50,7 @@ def generate(
     engine = build_engine(model, gc, config, workload)
     outputs: dict[str, GenerationOutput] | None = None
     try:
-        outputs = run_to_completion(engine, inputs, progress_bar, max_new_tokens, record_timestamps)
+        outputs = run_to_completion(engine, inputs, progress_bar, max_new_tokens, record_timestamps, loras)
         return outputs
     finally:
         engine.release_model(outputs if launched else None)
@@ -77,7 +78,8 @@ def failed_output(request_id: str, prompt: Any, error: BaseException) -> Generat
 
 
 def run_to_completion(engine: EngineCore, inputs: list[list[int]], progress_bar: bool,
-                      max_new_tokens: int | None = None, record_timestamps: bool = False) -> dict[str, GenerationOutput]:
+                      max_new_tokens: int | None = None, record_timestamps: bool = False,
+                      loras: list[str | None] | None = None) -> dict[str, GenerationOutput]:
     """Submit every prompt and step the engine until all are done; outputs keyed "req_0", ... in
     input order. As transformers' generate_batch: a prompt the engine refuses gets a FAILED output
     naming the error and the others run; an error while stepping fails every live request (pages
@@ -89,7 +91,7 @@ def run_to_completion(engine: EngineCore, inputs: list[list[int]], progress_bar:
         rid = f"req_{i}"
         try:
             ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
-            slots[rid] = engine.make_request(ids, rid, max_new_tokens)
+            slots[rid] = engine.make_request(ids, rid, max_new_tokens, lora=loras[i] if loras else None)
         except (InvalidRequestError, TypeError) as error:
             slots[rid] = failed_output(rid, prompt, error)
         else:

@@ -97,3 +97,28 @@ def test_pages_behind_a_sliding_window_are_released() -> None:
     assert bm.num_free == 6 and r.num_released_blocks == 2
     bm.free(r)  # released entries are skipped
     assert bm.num_free == 8
+
+
+def test_pages_are_shared_only_within_one_lora_adapter() -> None:
+    """A request's LoRA adapter roots its hash chain: the same tokens under another adapter, the
+    base model, or a salt are misses; under the same adapter (and salt) hits."""
+    from cbserve.scheduler.request import Request
+
+    bm = BlockManager(num_blocks=64, page_size=4, enable_prefix_caching=True)
+    tokens = list(range(10, 23))  # three full pages can come from cache
+
+    def computed(lora_id: int | None, salt: str | None = None) -> int:
+        r = Request(request_id=f"{lora_id}-{salt}", prompt_ids=list(tokens), max_new_tokens=1,
+                    eos_token_ids=frozenset(), cache_salt=salt, lora_id=lora_id)
+        bm.match_prefix(r)
+        hit = r.num_computed
+        assert bm.allocate(r, r.num_tokens)
+        r.num_computed = r.num_tokens
+        bm.register_full_pages(r)
+        bm.free(r)
+        return hit
+
+    assert computed(None) == 0
+    assert computed(1) == 0 and computed(2) == 0 and computed(1, "a") == 0
+    assert computed(1) == 12 and computed(2) == 12 and computed(1, "a") == 12 and computed(None) == 12
+    assert computed(None, "a") == 0  # the salt alone is none of the adapter roots

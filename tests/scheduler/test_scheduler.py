@@ -237,3 +237,19 @@ def test_a_node_pool_pull_is_planned_as_transfers_and_a_short_one_computes_from_
     plan = step(s)
     assert entries(plan) == [("r", 8, True)] and r.generated == [7]
 
+
+
+def test_running_requests_use_at_most_max_loras_adapters() -> None:
+    """LoRA: a request of a third adapter waits while two adapters run (max_loras=2), whatever room
+    there is; requests of the base model and of running adapters are admitted meanwhile."""
+    s = Scheduler(BlockManager(64, PAGE, False), 64, 8, "fifo", 0.0, max_loras=2)
+    reqs = [request(f"r{i}", max_new=2) for i in range(5)]
+    for r, lora_id in zip(reqs, [1, 2, 3, None, 1]):
+        r.lora_id = lora_id
+        s.add(r)
+    plan = step(s)
+    assert [e[0] for e in entries(plan)] == ["r0", "r1", "r3", "r4"]
+    while "r2" not in [e[0] for e in entries(plan)]:  # once adapter 1 or 2 has no running request
+        assert len({r.lora_id for r in s.running if r.lora_id is not None}) <= 2
+        plan = step(s)
+    assert not {"r0", "r1"} <= {r.request_id for r in s.running}

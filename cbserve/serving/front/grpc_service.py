@@ -125,7 +125,7 @@ def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
     return worker_request(
         f"grpc-{uuid.uuid4().hex}",
         routing_hashes(args.routing, msg.prompt if which == "prompt" else prompt["prompt_ids"]),
-        _sampling(s, args.generation),
+        _sampling(s, args.generation, service.adapter(msg.model or None)),
         max_tokens=max_tokens,
         stop=list(s.stop),
         logprobs=s.logprobs,
@@ -134,11 +134,13 @@ def to_worker_request(msg: Any, service: Any) -> WorkerRequest:
     )
 
 
-def _sampling(s: Any, gen: GenerationDefaults) -> Sampling:
-    """The message's `SamplingParams` as the sampling block (a field it does not set: None)."""
+def _sampling(s: Any, gen: GenerationDefaults, lora: str | None = None) -> Sampling:
+    """The message's `SamplingParams` as the sampling block (a field it does not set: None);
+    `lora`: the adapter its `model` names."""
     fields: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
     return sampling(gen, logit_bias=dict(s.logit_bias) or None, ignore_eos=s.ignore_eos or None,
-                    stop_token_ids=list(s.stop_token_ids) or None, top_logprobs=s.top_logprobs or None, **fields)
+                    stop_token_ids=list(s.stop_token_ids) or None, top_logprobs=s.top_logprobs or None, lora=lora,
+                    **fields)
 
 
 def _constraint(msg: Any) -> Constraint | None:

@@ -156,7 +156,7 @@ class OpenAIService:
         self._open_choice = open_choice
         self.metrics = metrics
         self.model_name = args.model_name
-        self._names = {args.model_name} | ({args.model} if args.model else set())
+        self._names = {args.model_name} | ({args.model} if args.model else set()) | args.lora_modules.keys()
         self.response_store = responses.ResponseStore()
 
     # -- request -> worker requests: the rules only this front has -------------------------------
@@ -164,6 +164,14 @@ class OpenAIService:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self._names:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (`lora_modules`); None: the base model."""
+        return model if model in self.args.lora_modules else None
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` of a reply: the adapter the request named, else the base model's name."""
+        return self.adapter(model) or self.model_name
 
     def _check_common(self, req: SamplingFields, max_tokens: int | None, num_prompts: int) -> None:
         self.check_model(req.model)
@@ -179,7 +187,7 @@ class OpenAIService:
             frequency_penalty=req.frequency_penalty, logit_bias=logit_bias(req.logit_bias), min_tokens=req.min_tokens,
             ignore_eos=req.ignore_eos or None, stop_token_ids=req.stop_token_ids, top_logprobs=top_logprobs or None,
             prompt_logprobs=prompt_logprobs, cache_salt=req.cache_salt, speculative=req.speculative,
-            priority=req.priority or None,
+            lora=self.adapter(req.model), priority=req.priority or None,
             tenant=user_tenant(req.user), parent_id=rid,
         )
 
@@ -328,13 +336,13 @@ class OpenAIService:
 
     async def _complete(self, req: CompletionRequest, arrival: float, rid: str, call: str) -> Reply:
         streams = await self._open_all(self.completion_requests(req, call), req.n)
-        replicas = [s.start.replica or "" for s in streams]
+        replicas, name = [s.start.replica or "" for s in streams], self.served_name(req.model)
         prompt_tokens = sum(s.start.prompt_tokens for s in streams[:: req.n])
         if req.stream:
             created = int(time.time())
 
             def chunk(choices: list[Any], use: Any) -> CompletionChunk:
-                return CompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=use)
+                return CompletionChunk(id=rid, created=created, model=name, choices=choices, usage=use)
 
             return Reply(replicas, stream=self._sse_stream(
                 streams, arrival, "prompt", chunk,
@@ -342,7 +350,7 @@ class OpenAIService:
                 prompt_tokens, req.stream_options))
         results = await self._collect_all(streams, arrival)
         choices = [completion_choice(i, r, req.logprobs, req.echo, req.prompt_logprobs) for i, r in enumerate(results)]
-        return Reply(replicas, body=CompletionResponse(id=rid, model=self.model_name, choices=choices,
+        return Reply(replicas, body=CompletionResponse(id=rid, model=name, choices=choices,
                                                        usage=usage(prompt_tokens, results)))
 
     async def chat(self, req: ChatCompletionRequest, arrival: float | None = None,
@@ -369,7 +377,7 @@ class OpenAIService:
                 self.response_store.put(rid, conversation + responses.output_messages(output))
 
         if reply.stream is not None:
-            return Reply(reply.replicas, stream=responses.stream(req, self.model_name, reply.stream, keep))
+            return Reply(reply.replicas, stream=responses.stream(req, self.served_name(req.model), reply.stream, keep))
         body = responses.render(req, reply.body)
         keep(body["id"], body["output"])
         return Reply(reply.replicas, body=body)
@@ -378,13 +386,13 @@ class OpenAIService:
         mode = tool_choice_mode(req)
         streams = await self._open_all(self.chat_requests(req, call, mode), req.n)
         rendering = ChatRendering(req.logprobs, req.top_logprobs, mode)
-        replicas = [s.start.replica or "" for s in streams]
+        replicas, name = [s.start.replica or "" for s in streams], self.served_name(req.model)
         prompt_tokens = streams[0].start.prompt_tokens
         if req.stream:
             created = int(time.time())
 
             def chunk(choices: list[Any], use: Any) -> ChatCompletionChunk:
-                return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=use)
+                return ChatCompletionChunk(id=rid, created=created, model=name, choices=choices, usage=use)
 
             roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(len(streams))]  # the role first, at once
@@ -395,5 +403,5 @@ class OpenAIService:
         results = await self._collect_all(streams, arrival)
         choices = [rendering.choice(i, r) for i, r in enumerate(results)]
         return Reply(replicas, body=ChatCompletionResponse(
-            id=rid, model=self.model_name, choices=choices, usage=usage(prompt_tokens, results),
+            id=rid, model=name, choices=choices, usage=usage(prompt_tokens, results),
             prompt_logprobs=prompt_logprobs(results[0].prompt, req.prompt_logprobs)))

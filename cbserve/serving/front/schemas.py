@@ -459,6 +459,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "cbserve"
     root: str | None = None
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (None for the base model)
     max_model_len: int | None = None  # vLLM's: the longest prompt + output
 
 

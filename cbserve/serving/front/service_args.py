@@ -68,6 +68,9 @@ class ServiceArgs(Protocol):
     def model_name(self) -> str: ...
 
     @property
+    def lora_modules(self) -> dict[str, str]: ...
+
+    @property
     def generation(self) -> GenerationDefaults: ...
 
     @property
