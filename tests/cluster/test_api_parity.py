@@ -210,8 +210,18 @@ def test_tool_calls_through_the_openai_client(cluster: dict[str, Any]) -> None:
     assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     required = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
-                                              tool_choice="required", parallel_tool_calls=False)
+                                              tool_choice="required", parallel_tool_calls=False, temperature=0)
     assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # streamed through the SDK's helper: the arguments come in pieces and add up to the same call
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
+                                        tool_choice="required", parallel_tool_calls=False, temperature=0) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert len(pieces) > 1 and "".join(pieces) == streamed.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls" and streamed.function.name == "get_weather"
+    whole = required.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(streamed.function.arguments) == json.loads(whole)
     # auto: the model's own Hermes text (forced here, the tiny model would not write it) is parsed
     auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
                                           extra_body={"guided_choice": [CALL_TEXT]})  # ~1 token a character
