@@ -210,7 +210,9 @@ class ContinuousBatchingManager:
         by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
         `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;
         `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt);
-        `speculative=False` keeps the request out of the engine's speculative decoding."""
+        `speculative=False` keeps the request out of the engine's speculative decoding;
+        `pooling="mean"` or `"last"` makes it an embedding request: its prompt is computed, nothing
+        generated, and its final output carries `embedding` (`workers/pooling.py`)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -233,6 +235,7 @@ class ContinuousBatchingManager:
                                "destroyed" if self._loop.state is LoopState.DESTROYED else "stopped")
                 raise self._loop.refusal()
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
+            pooling = sampling_args.pop("pooling", None)  # an embedding request (workers/pooling.py)
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             speculative = validation.speculative(sampling_args.pop("speculative", True))
             share = validation.scheduling(self.config.priority_scheduling, **{
@@ -248,7 +251,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling, grammar,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar, pooling,
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)

@@ -89,6 +89,9 @@ class Request:
     # Structured outputs: the compiled constraint (workers/structured.py), and whether it is complete.
     grammar: object | None = None
     grammar_done: bool = False
+    # An embedding request's pooling (workers/pooling.py): its prompt's hidden states are pooled,
+    # nothing is sampled; it finishes when its prompt is computed.
+    pooling: object | None = None
     # Tokens whose K/V are in the cache; the rest of `tokens` is computed by the next steps.
     num_computed: int = 0
     # Async batching: sampled on the device by a launched step, not yet appended to `tokens`.
@@ -159,6 +162,12 @@ class Request:
                 and not self.wants_prompt_logprobs)
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt is computed, never matched in the prefix cache: the matched positions'
+        logits (prompt logprobs) or hidden states (pooling) would be missing."""
+        return self.wants_prompt_logprobs or self.pooling is not None
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute (every prompt position's logits are kept)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
@@ -214,4 +223,5 @@ class Request:
             _length=len(self.generated),
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            embedding=getattr(self.pooling, "embedding", None),
         )
