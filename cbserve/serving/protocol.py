@@ -62,7 +62,8 @@ class Constraint(BaseModel):
 
 
 class WorkerRequest(BaseModel):
-    """One generation (one choice): exactly one of `prompt`, `messages`, `prompt_ids`."""
+    """One generation (one choice), or one embedding (`pooling`): exactly one of `prompt`,
+    `messages`, `prompt_ids`."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a default
 
@@ -82,6 +83,8 @@ class WorkerRequest(BaseModel):
     echo: bool = Field(False, description="send the prompt's text (and tokens) back before the output")
     skip_special_tokens: bool = True
     prefix_hashes: list[int] = Field(default_factory=list, description="read by the request router")
+    pooling: Literal["mean", "last"] | None = Field(None, description="set: an embedding (the `end` event carries "
+                                                    "it); nothing is generated")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkerRequest:
@@ -126,6 +129,7 @@ class WorkerEvent(BaseModel):
     # end
     finish_reason: FinishReason | None = None
     completion_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector
     # error
     status: int = 0
     message: str = ""

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.errors import RequestFault
+from cbserve.errors import InvalidRequestError, RequestFault
 from cbserve.kernels import packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
@@ -177,6 +177,8 @@ class EngineCore:
         prompt = validation.prompt(input_ids, self.shape.vocab_size)
         gc = self.generation_config
         if pooling is not None:  # an embedding: its prompt only
+            if self.parallel is not None:
+                raise InvalidRequestError("pooling", "embeddings are not served with tensor parallelism (tp_size > 1)")
             max_new_tokens = 0
         else:
             if max_new_tokens is None:
