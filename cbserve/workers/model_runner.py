@@ -110,7 +110,6 @@ class ModelRunner:
             sources = in_flight.rows
             host += [torch.tensor(device_rows), torch.tensor([sources[id(decodes[r].request)] for r in device_rows])]
         ids, position_ids, slot_mapping, logits_to_keep, *rest = self._to_device(host)
-        self.pooled_rows = torch.tensor(rows.pooled_rows, device=self.device) if rows.pooled_rows else None
         kernel_inputs = None
         if full_kernels:
             block_tables, kv_lens, cu_seqlens, *rest = rest
@@ -178,9 +177,10 @@ class ModelRunner:
             if req.wants_prompt_logprobs:
                 self._keep_prompt_rows(rows, s, row - n)
             if req.pooling is not None and (positions := req.pooling.positions(start, n)):
-                first = row - n - start  # the row of position 0
-                rows.pooled_rows.extend(range(first + positions.start, first + positions.stop))
+                origin = row - n - start  # where position 0's row would be
+                rows.pooled_rows.extend(range(origin + positions.start, origin + positions.stop))
                 self.pool_chunks.append((req, positions))
+        self.pooled_rows = torch.tensor(rows.pooled_rows, device=self.device) if rows.pooled_rows else None
         return chunks
 
     def _keep_prompt_rows(self, rows: _Rows, s: ScheduledRequest, first_row: int) -> None:
