@@ -156,10 +156,10 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Its next tokens may be proposed and verified in one pass: nothing makes a token's
-        distribution depend on the proposals before it (logits processors, a grammar) and no
-        prompt logprobs are owed."""
+        distribution depend on the proposals before it (logits processors, a grammar), no
+        prompt logprobs are owed and no prompt is pooled (an embedding request never decodes)."""
         return (self.speculative and self.grammar is None and not self.sampling.processes_logits
-                and not self.wants_prompt_logprobs)
+                and not self.computes_whole_prompt)
 
     @property
     def computes_whole_prompt(self) -> bool:

@@ -104,3 +104,19 @@ def test_through_the_manager_and_refusals() -> None:
         assert err.value.field == "input_ids" and "1025" in str(err.value)
     finally:
         manager.stop()
+
+
+def test_beside_speculative_decoding() -> None:
+    """Prompts whose last chunk is one token look like decodes to the scheduler: still never
+    proposed for, never sampled."""
+    model, lengths = model_for("llama"), (1, 49, 97)
+    prompts = random_prompts(list(lengths))
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, max_batch_tokens=48, return_logprobs=True, num_blocks=300,
+                                           speculative={"num_speculative_tokens": 4, "disable_by_batch_size": None})
+    embeds, gens, engine = run_mixed(model, cfg, "last", prompts)
+    for request, prompt in zip(embeds, prompts):
+        assert request.finish_reason == FinishReason.POOLED and request.generated == []
+        torch.testing.assert_close(torch.tensor(request.pooling.embedding, dtype=torch.float64),
+                                   reference_embedding(model, prompt, "last"), rtol=0, atol=1e-10)
+    assert_matches_reference(gens, reference("llama", lengths, MAX_NEW))
+    assert engine.scheduler.num_drafts > 0  # the generating requests speculated
