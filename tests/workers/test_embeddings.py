@@ -16,7 +16,7 @@ from cbserve.outputs import FinishReason
 from cbserve.workers.factory import build_engine
 from cbserve.workers.pooling import Pooling
 from tests.support.exactness import MAX_NEW, assert_matches_reference, model_for, reference
-from tests.support.tiny_models import random_prompts
+from tests.support.tiny_models import random_prompts, reference_generate
 
 LENGTHS = [1, 7, 33, 100, 150]
 
@@ -107,16 +107,18 @@ def test_through_the_manager_and_refusals() -> None:
 
 
 def test_beside_speculative_decoding() -> None:
-    """Prompts whose last chunk is one token look like decodes to the scheduler: still never
-    proposed for, never sampled."""
-    model, lengths = model_for("llama"), (1, 49, 97)
-    prompts = random_prompts(list(lengths))
-    cfg = cbserve.ContinuousBatchingConfig(page_size=16, max_batch_tokens=48, return_logprobs=True, num_blocks=300,
+    """The generating requests speculate as before; an embedding request is never proposed for
+    (a prompt whose last chunk is one token looks like a decode to the scheduler)."""
+    segments = [random_prompts([n], seed=4)[0] for n in (12, 30)]  # prompts that repeat themselves
+    prompts = [[5]] + [seg + seg[: len(seg) // 2] + seg for seg in segments]  # 1, 30 and 75 tokens
+    model = model_for("llama")
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, max_batch_tokens=37, return_logprobs=True, num_blocks=300,
                                            speculative={"num_speculative_tokens": 4, "disable_by_batch_size": None})
     embeds, gens, engine = run_mixed(model, cfg, "last", prompts)
     for request, prompt in zip(embeds, prompts):
         assert request.finish_reason == FinishReason.POOLED and request.generated == []
+        assert not request.may_speculate
         torch.testing.assert_close(torch.tensor(request.pooling.embedding, dtype=torch.float64),
                                    reference_embedding(model, prompt, "last"), rtol=0, atol=1e-10)
-    assert_matches_reference(gens, reference("llama", lengths, MAX_NEW))
+    assert_matches_reference(gens, [reference_generate(model, p, MAX_NEW) for p in prompts])
     assert engine.scheduler.num_drafts > 0  # the generating requests speculated
