@@ -211,6 +211,8 @@ class ContinuousBatchingManager:
         `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;
         `cache_salt=` (vLLM's: a string; prefix pages are shared only among requests of one salt);
         `speculative=False` keeps the request out of the engine's speculative decoding;
+        `resume_tokens=` the output so far of a request begun on another engine (stream migration:
+        they count as generated, come back in its result but are not streamed again);
         `pooling="mean"` or `"last"` makes it an embedding request: its prompt is computed, nothing
         generated, and its final output carries `embedding` (`workers/pooling.py`)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
@@ -238,6 +240,7 @@ class ContinuousBatchingManager:
             pooling = sampling_args.pop("pooling", None)  # an embedding request (workers/pooling.py)
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             speculative = validation.speculative(sampling_args.pop("speculative", True))
+            resume_tokens = sampling_args.pop("resume_tokens", None)  # stream migration: Request.resume
             share = validation.scheduling(self.config.priority_scheduling, **{
                 k: sampling_args.pop(k) for k in validation.SCHEDULING_FIELDS if k in sampling_args})
             sampling = self._sampling(sampling_args)
@@ -251,7 +254,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling, grammar, pooling,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens, pooling,
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)

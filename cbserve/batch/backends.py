@@ -9,7 +9,9 @@ tokenize, submit to the manager, detokenize, stop strings) and fold its `WorkerE
   events are folded inside the actor, so one Ray call carries one whole result.
 - `ServeBackend`: the engine replicas (`LLMWorker` deployment) of a running Serve app, through a
   deployment handle (`handle.options(stream=True).generate`); Serve's request router (prefix
-  affinity, least outstanding requests) picks the replica.
+  affinity, least outstanding requests) picks the replica; a line whose replica fails mid-way is
+  continued on another one (stream migration), not started over. An `EnginePool` actor folds its
+  lines inside itself: a line it loses is run again from the start (the job's retries).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from cbserve.cluster.settings import MODEL_PROCESS_ENV, ClusterArgs, runtime_env
+from cbserve.cluster.migration import MigratingChoice
+from cbserve.cluster.settings import MODEL_PROCESS_ENV, ClusterArgs, MigrationConfig, runtime_env
 from cbserve.errors import InvalidRequestError
 from cbserve.serving.api_errors import error_event
 from cbserve.serving.front.replies import ChoiceResult, fold
-from cbserve.serving.protocol import WorkerRequest
+from cbserve.serving.protocol import WorkerEvent, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -241,12 +244,24 @@ class ServeBackend:
         )
 
     async def run(self, req: WorkerRequest) -> ChoiceResult:
+        """The line's result; a replica that fails or drains mid-line hands it to another one,
+        which continues it (stream migration, `cluster/migration.py`) instead of starting over."""
         try:
-            return await fold(self._stream.remote(req))
+            first, gen = await self._open(req)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the replica died or raised, backpressure, the deployment is unavailable...
+        except Exception as exc:  # backpressure, the deployment is unavailable...
             raise _task_failure("Serve call", exc) from exc
+        result = ChoiceResult()
+        result.add(first)
+        if first.kind == "error":
+            return result
+        choice = MigratingChoice(req, first, gen, self._open, MigrationConfig().max_attempts)
+        return await fold(choice.events(), result)
+
+    async def _open(self, req: WorkerRequest) -> tuple[WorkerEvent, Any]:
+        gen = self._stream.remote(req)
+        return await gen.__anext__(), gen
 
     async def close(self) -> None:
         self._stream = None

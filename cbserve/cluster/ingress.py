@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from cbserve.cluster.metrics_relay import MetricsRelay, this_replica
+from cbserve.cluster.migration import MigratingChoice, cancel_quietly
 from cbserve.cluster.ray_compat import backpressure, serve_http_host, serve_request_id
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.errors import InvalidRequestError
@@ -66,15 +67,6 @@ app = FastAPI(title="cbserve", docs_url=None, redoc_url=None, openapi_url=None)
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail)).response()
-
-
-def _cancel_quietly(gen: Any) -> None:
-    """Cancel a handle call that may have failed: Serve's `cancel()` re-raises the call's own
-    error (e.g. BackPressureError) when the call never reached a replica."""
-    try:
-        gen.cancel()
-    except Exception as exc:  # noqa: BLE001 - nothing to cancel then
-        logger.debug("cancelling a failed worker call: %r", exc)
 
 
 def cbserve_version() -> str:
@@ -156,24 +148,33 @@ class OpenAIIngress:
 
     async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
         wreq = with_call_tenant(wreq)  # the API key's tenant, never the client's `user`
+        first, gen = await self._open_on_a_replica(wreq)
+        if first.kind == "error":
+            raise refusal(first, self.args.worker.overload_status_code, self.args.worker.retry_after_s)
+        if self.args.migration.max_attempts == 0 or not wreq.migrate:
+            return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
+        choice = MigratingChoice(wreq, first, gen, self._open_on_a_replica, self.args.migration.max_attempts,
+                                 self.metrics.on_migration)
+        return ChoiceStream(start=first, events=choice.events(), cancel=choice.cancel)
+
+    async def _open_on_a_replica(self, wreq: WorkerRequest) -> tuple[Any, Any]:
+        """A worker replica's first event for `wreq` and the generator of the rest; raises the
+        APIError a client should get when none can be reached."""
         try:
             # .remote() itself raises BackPressureError when the queue for the workers is full.
             gen = self._generate.remote(wreq)
         except Exception as exc:
             raise _open_error(exc) from exc
         try:
-            first = await gen.__anext__()
+            return await gen.__anext__(), gen
         except asyncio.CancelledError:
-            _cancel_quietly(gen)
+            cancel_quietly(gen)
             raise
         except StopAsyncIteration:
             raise APIError(500, "the worker closed the stream before accepting the request") from None
         except Exception as exc:
-            _cancel_quietly(gen)
+            cancel_quietly(gen)
             raise _open_error(exc) from exc
-        if first.kind == "error":
-            raise refusal(first, self.args.worker.overload_status_code, self.args.worker.retry_after_s)
-        return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
 
     def _authorized(self, presented: str | None) -> bool:
         """The `Authorization` value holds one of the keys (or none is needed); the call's tenant

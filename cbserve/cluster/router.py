@@ -34,6 +34,17 @@ def request_hashes(pending_request: PendingRequest | None) -> list[int]:
     return []
 
 
+def request_avoids(pending_request: PendingRequest | None) -> set[str]:
+    """The replicas a migrating choice left (`WorkerRequest.avoid_replicas`): tried last."""
+    if pending_request is None:
+        return set()
+    for arg in pending_request.args:
+        avoid = getattr(arg, "avoid_replicas", None)
+        if avoid:
+            return set(avoid)
+    return set()
+
+
 class PrefixAffinityRouter(CompatRouter):
     def initialize_state(self, load_factor: float = 1.25, imbalance_threshold: int = 4, key_chunks: int = 1,
                          virtual_nodes: int = 64, seed: int | None = None, **_: Any) -> None:
@@ -64,13 +75,20 @@ class PrefixAffinityRouter(CompatRouter):
             pending_request.routing_context.should_backoff = True  # back off between retries
         if not candidate_replicas:
             return []
+        avoid = request_avoids(pending_request)
         lens = await self.queue_lens(candidate_replicas)
 
         def load_key(r: RunningReplica) -> tuple[float, ...]:
-            # Replicas that did not answer the probe go last; the rest by load, then KV usage.
-            return (r.replica_id not in lens, lens.get(r.replica_id, 0), self._kv_usage(r))
+            # Replicas a migrating choice left, then those that did not answer the probe, go last;
+            # the rest by load, then KV usage.
+            return (r.replica_id.unique_id in avoid, r.replica_id not in lens, lens.get(r.replica_id, 0),
+                    self._kv_usage(r))
 
         by_load = sorted(candidate_replicas, key=load_key)
+        if avoid and by_load[0].replica_id.unique_id not in avoid:
+            # A continuation (stream migration) goes to a replica it has not been on, by load:
+            # its prefix's replica may be the one that just failed.
+            return [[by_load[0]], by_load]
         key = routing_key(request_hashes(pending_request), self._key_chunks)
         if key is None:
             self.num_load_routes += 1

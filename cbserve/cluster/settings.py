@@ -132,6 +132,14 @@ class WorkerConfig(Strict):
         return v
 
 
+class MigrationConfig(Strict):
+    """Stream migration (`cluster/migration.py`): a choice whose worker replica fails or drains
+    mid-stream is continued on another one, in the same client stream."""
+
+    max_attempts: int = Field(3, ge=0, le=10, description="continuations tried per choice; 0 turns migration off "
+                                                             "(the client gets the failure as an error)")
+
+
 class ClusterArgs(Strict):
     """Every field of `applications[].args` in `ray_config.yaml`."""
 
@@ -152,6 +160,7 @@ class ClusterArgs(Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     cpu_offload: CpuOffloadConfig = Field(default_factory=CpuOffloadConfig)
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
     ingress_replicas: int = Field(1, ge=1)
     ingress_placement: Literal["auto", "worker", "own"] = Field(
         "auto", description="worker: the ingress runs inside each worker replica (one process hop less); own: "

@@ -119,6 +119,8 @@ class Request:
     finished_time: float | None = None
     # Tokens already delivered to a streaming consumer.
     num_streamed: int = 0
+    # Stream migration: how many of `generated` came with the request (`resume`), made elsewhere.
+    num_resumed: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -171,6 +173,19 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs still to compute (every prompt position's logits are kept)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def resume(self, tokens: list[int]) -> None:
+        """Continue an output begun on another engine (stream migration): `tokens` count as
+        generated (max_new_tokens, min_tokens, penalties, the grammar, a seed's draws), are
+        prefilled after the prompt as a preempted request's output is, and are never streamed
+        again (their logprobs are NaN: they were reported where they were drawn)."""
+        self.tokens += tokens
+        self.generated = list(tokens)
+        self.num_resumed = self.num_streamed = len(tokens)
+        if self.logprobs is not None:
+            self.logprobs = [float("nan")] * len(tokens)
+        if self.top_logprobs is not None:
+            self.top_logprobs = [[] for _ in tokens]
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> None:
         if self.first_token_time is None:

@@ -61,6 +61,16 @@ class Constraint(BaseModel):
     field: str = "response_format"
 
 
+class Resume(BaseModel):
+    """A choice continued on this replica after the one serving it failed or drained (stream
+    migration, `cbserve/cluster/migration.py`): what its client has received so far."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(description="the output tokens sent: prefilled after the prompt, counted as generated")
+    text_chars: int = Field(0, ge=0, description="the characters of output text sent: not sent again")
+
+
 class WorkerRequest(BaseModel):
     """One generation (one choice), or one embedding (`pooling`): exactly one of `prompt`,
     `messages`, `prompt_ids`."""
@@ -83,6 +93,10 @@ class WorkerRequest(BaseModel):
     echo: bool = Field(False, description="send the prompt's text (and tokens) back before the output")
     skip_special_tokens: bool = True
     prefix_hashes: list[int] = Field(default_factory=list, description="read by the request router")
+    resume: Resume | None = None
+    migrate: bool = Field(True, description="false: no continuation elsewhere if its replica loses it")
+    avoid_replicas: list[str] = Field(default_factory=list, description="read by the request router: replicas "
+                                      "this choice left (tried last)")
     pooling: Literal["mean", "last"] | None = Field(None, description="set: an embedding (the `end` event carries "
                                                     "it); nothing is generated")
 

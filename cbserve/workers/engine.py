@@ -33,7 +33,7 @@ from cbserve.workers.parallel.groups import TensorParallelError
 from cbserve.workers.pooling import Pooling, add_hidden_states, check_method, completed
 from cbserve.workers.sampler import prompt_logprobs
 from cbserve.workers.speculative import sample_with_drafts
-from cbserve.workers.structured import Grammar
+from cbserve.workers.structured import Grammar, check_grammar_accepts
 
 if TYPE_CHECKING:
     from cbserve.scheduler.block_manager import BlockManager
@@ -165,11 +165,13 @@ class EngineCore:
         eos_token_id: int | list[int] | None = None,
         sampling: SamplingParams | None = None,
         grammar: Grammar | None = None,
+        resume_tokens: list[int] | None = None,
         pooling: str | None = None,
     ) -> Request:
         """Validate a request at the boundary (`workers/validation.py`); every error names the
         argument and its range. `sampling`: already validated (`validation.sampling`); `grammar`: compiled
-        for this model (`StructuredOutputs.compile`); `pooling`: "mean" or "last" makes it an
+        for this model (`StructuredOutputs.compile`); `resume_tokens`: the output so far of a request
+        continued here (stream migration, `Request.resume`); `pooling`: "mean" or "last" makes it an
         embedding request (`pooling.py`: its prompt only, nothing generated)."""
         if self.parallel is not None:
             self.parallel.check_health()  # refused at the boundary: the group is gone
@@ -191,7 +193,8 @@ class EngineCore:
             sampling = dataclasses.replace(sampling, min_new_tokens=gc.min_length - len(prompt))
         eos_ids = eos_set(eos_token_id if eos_token_id is not None else gc.eos_token_id)
         validation.constraint_fits(grammar, sampling.min_new_tokens, eos_ids | set(sampling.stop_token_ids))
-        return Request(
+        resumed = validation.resume_tokens(resume_tokens, self.shape.vocab_size, max_new_tokens)
+        request = Request(
             request_id=request_id,
             prompt_ids=prompt,
             max_new_tokens=max_new_tokens,
@@ -202,6 +205,17 @@ class EngineCore:
             grammar=grammar,
             pooling=None if pooling is None else Pooling(check_method(pooling), len(prompt)),
         )
+        if resumed:
+            if sampling.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with resume_tokens (a continued "
+                                          "request's prompt was answered where it began)")
+            request.resume(resumed)
+            if grammar is not None:
+                check_grammar_accepts(grammar, resumed)
+            if request.stop_reason() is not None:
+                raise InvalidRequestError("resume_tokens", "resume_tokens: the output is already complete (it ends "
+                                          "with a stop token or reaches max_new_tokens)")
+        return request
 
     def default_sampling(self) -> SamplingParams:
         return self._default_sampling

@@ -94,6 +94,9 @@ class LogitsProcessing:
             state.seen = set(request.tokens)
         if request.grammar is not None:
             state.grammar = GrammarState(request.grammar)
+            for token in request.generated[: request.num_resumed]:  # continued from elsewhere
+                state.grammar.accept(token)
+            request.grammar_done = state.grammar.matcher.is_terminated()
         if p.presence_penalty or p.frequency_penalty:
             state.counts = {}
             for token in request.generated:  # resumed after a preemption: the output so far counts

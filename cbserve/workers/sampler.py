@@ -87,14 +87,13 @@ class Sampler:
 
     def generator_of(self, request: Request) -> torch.Generator:
         """The generator `request`'s draws come from: its own when seeded, else the engine's."""
-        return self._generator(request.request_id, request.sampling)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
+        if request.sampling.seed is None:
             return self.generator
-        generator = self._seeded.get(request_id)
+        generator = self._seeded.get(request.request_id)
         if generator is None:
-            generator = self._seeded[request_id] = torch.Generator().manual_seed(params.seed)
+            generator = self._seeded[request.request_id] = torch.Generator().manual_seed(request.sampling.seed)
+            for _ in range(request.num_resumed):  # a continued request: the draws its output took elsewhere
+                torch.rand((), generator=generator)
         return generator
 
     def forget(self, request_id: str) -> None:
@@ -136,8 +135,7 @@ class Sampler:
             cdf = sub.softmax(dim=-1).cumsum(dim=-1)
             # One uniform draw per row from the row's own generator when seeded, so a seeded
             # request gives the same tokens whatever else shares its batch.
-            u = torch.stack([torch.rand((), generator=self._generator(requests[i].request_id, params[i]))
-                             for i in sampled_rows])
+            u = torch.stack([torch.rand((), generator=self.generator_of(requests[i])) for i in sampled_rows])
             picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
             picks = picks.clamp(max=logits.shape[-1] - 1)
             tokens = tokens.index_put((rows,), picks)

@@ -301,6 +301,15 @@ class GrammarState:
             raise RuntimeError(f"the grammar refused token {token} that its own mask allowed")
 
 
+def check_grammar_accepts(grammar: Grammar, tokens: list[int]) -> None:
+    """A continued request's output so far (`resume_tokens`) must be one its grammar allows."""
+    state = GrammarState(grammar)
+    for i, token in enumerate(tokens):
+        if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+            raise InvalidRequestError("resume_tokens", f"resume_tokens[{i}]: token {token} is not allowed there by "
+                                      f"the request's {grammar.field}")
+
+
 def apply_masks(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:
     """Tokens outside each constrained row's grammar get -inf (`states`: row -> its state)."""
     import xgrammar as xgr

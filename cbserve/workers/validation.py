@@ -93,6 +93,21 @@ def speculative(value: Any) -> bool:
     return value
 
 
+def resume_tokens(value: Any, vocab_size: int, max_new_tokens: int) -> list[int]:
+    """A request's `resume_tokens` (stream migration): the output it already has, fewer tokens
+    than max_new_tokens (the request must still have one to generate)."""
+    if value is None:
+        return []
+    ids = list(_token_ids("resume_tokens", value, vocab_size)) if isinstance(value, (list, tuple)) else None
+    if ids is None:
+        raise InvalidRequestError("resume_tokens", f"resume_tokens must be a list of token ids, got "
+                                  f"{type(value).__name__}")
+    if len(ids) >= max_new_tokens:
+        raise InvalidRequestError("resume_tokens", f"resume_tokens ({len(ids)} tokens) must be fewer than "
+                                  f"max_new_tokens ({max_new_tokens}): nothing would be left to generate")
+    return ids
+
+
 def max_new_tokens(value: Any) -> int:
     if not _is_int(value) or value < 1:
         raise InvalidRequestError("max_new_tokens", f"max_new_tokens must be a positive integer (>= 1), got {value!r}")

@@ -114,6 +114,29 @@ def test_stop_matcher_catches_stop_split_across_deltas() -> None:
     assert m.flush() == ""
 
 
+def test_a_stop_string_cuts_the_tokens_however_outputs_are_batched(tokenizer: Any) -> None:
+    """Tokens after the one that completes a stop string are not sent, whether the engine's
+    outputs come one token at a time or several together (their usage must not depend on it)."""
+    from cbserve.outputs import GenerationOutput, RequestStatus
+    from cbserve.serving.replica.generation import _Decoder
+
+    ids = tokenizer("one two three STOP four five six").input_ids
+    req = WorkerRequest(request_id="r", prompt="x", stop=["STOP"])
+    results = []
+    for size in (1, 2, 3, len(ids)):
+        decoder, tokens, text = _Decoder(tokenizer, req), [], ""
+        for i in range(0, len(ids), size):
+            out = GenerationOutput(request_id="r", prompt_ids=[1], status=RequestStatus.DECODING,
+                                   new_tokens=ids[i : i + size])
+            ev = decoder.delta(out)
+            tokens, text = tokens + (ev.token_ids if ev else []), text + (ev.text if ev else "")
+            if decoder.stopped:
+                break
+        results.append((tokens, text.strip(), decoder.num_tokens))
+    assert results[0][1] == "one two three" and results[0][0] == ids[: results[0][2]]
+    assert all(r == results[0] for r in results), results
+
+
 def test_stop_matcher_holds_back_only_a_possible_stop_prefix() -> None:
     m = StopStringMatcher(["STOP"])
     assert m.feed("hello") == "he"  # "llo" could start "STOP"? no, but 3 chars are held back

@@ -147,7 +147,16 @@ class ServingMetrics:
                                        ["model_name", "finished_reason"], registry=r)
         self.http_errors = Counter("cbserve:http_errors", "Requests refused, by HTTP status.",
                                    ["model_name", "status"], registry=r)
+        self.migrations = Counter("cbserve:migrations", "Choices continued on another worker replica (stream "
+                                  "migration), by why their replica lost them.", ["model_name", "reason"], registry=r)
+        self.migration_stall = Histogram("cbserve:migration_stall_seconds", "Time from a choice's loss to its "
+                                         "continuation's acceptance by another replica.", lab,
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.workers = WorkerStatsCollector(model_name)
+
+    def on_migration(self, reason: str, stall_s: float) -> None:
+        self.migrations.labels(self.model_name, reason).inc()
+        self.migration_stall.labels(self.model_name).observe(stall_s)
 
     def timer(self, arrival: float, prompt_tokens: int) -> ChoiceTimer:
         return ChoiceTimer(self, arrival, prompt_tokens)

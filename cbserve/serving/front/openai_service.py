@@ -208,7 +208,7 @@ class OpenAIService:
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_ids=None if isinstance(prompt, str) else prompt, max_tokens=req.max_tokens,
                 stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens, constraint=constraint,
-                logprobs=req.logprobs is not None, echo=req.echo)
+                logprobs=req.logprobs is not None, echo=req.echo, migrate=req.migrate)
             out += self._choices(first, req.n)
         return out
 
@@ -232,7 +232,7 @@ class OpenAIService:
             max_tokens=max_tokens, stop=req.stop_list(), skip_special_tokens=req.skip_special_tokens,
             constraint=self._chat_constraint(req, mode), logprobs=req.logprobs,
             tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-            template_kwargs=template_kwargs(req), reasoning_effort=req.reasoning_effort)
+            template_kwargs=template_kwargs(req), reasoning_effort=req.reasoning_effort, migrate=req.migrate)
         return self._choices(first, req.n)
 
     # -- running choices ------------------------------------------------------------------------

@@ -146,6 +146,8 @@ class SamplingFields(StructuredFields):
                                    "only with requests of the same salt (length checked by the engine)")
     speculative: bool | None = Field(None, strict=True, description="cbserve's: false keeps the request out of the "
                                      "engine's speculative decoding (engine.speculative)")
+    migrate: bool = Field(True, strict=True, description="cbserve's: false: a choice whose worker replica fails "
+                          "mid-stream ends with the error instead of going on on another replica (stream migration)")
     # Fields current OpenAI SDKs send (README "Endpoints": the field policy).
     store: bool | None = Field(None, strict=True, description="false or null: nothing is stored here")
     metadata: dict[str, str] | None = Field(None, max_length=16)  # IGNORED

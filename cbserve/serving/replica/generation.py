@@ -117,11 +117,12 @@ def max_new_tokens(req: WorkerRequest, prompt_len: int, info: ModelInfo) -> int:
 
 
 def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest,
-           grammar: Any = None) -> tuple[list[int], str]:
-    """Queue the request in the manager; returns (prompt token ids, request id). Raises
-    InvalidRequestError for a refused request, QueueFullError when the engine's waiting queue is
-    full, RuntimeError when the manager is stopping."""
-    prompt_ids = tokenize(tokenizer, req)
+           grammar: Any = None, prompt_ids: list[int] | None = None) -> tuple[list[int], str]:
+    """Queue the request in the manager (`prompt_ids`: its tokens, when already known); returns
+    (prompt token ids, request id). Raises InvalidRequestError for a refused request,
+    QueueFullError when the engine's waiting queue is full, RuntimeError when the manager is
+    stopping."""
+    prompt_ids = tokenize(tokenizer, req) if prompt_ids is None else prompt_ids
     if req.pooling is not None:  # an embedding: the prompt alone must fit
         if len(prompt_ids) > info.max_context:
             raise InvalidRequestError("input_ids", f"the input's {len(prompt_ids)} tokens exceed the model's context "
@@ -137,8 +138,22 @@ def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest
         eos_token_id=info.eos_token_id,
         grammar=grammar,
         **req.sampling.engine_kwargs(),
+        **({"resume_tokens": req.resume.token_ids} if req.resume is not None else {}),
     )
     return prompt_ids, rid
+
+
+def resumed_finish(info: ModelInfo, req: WorkerRequest, prompt_len: int) -> str | None:
+    """The finish reason of a continued choice whose output was already complete by its tokens
+    (a stop token, or max_tokens), else None (its stop strings: `_Decoder.stopped`)."""
+    ids = req.resume.token_ids if req.resume is not None else []
+    if not ids:
+        return None
+    eos = info.eos_token_id
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    if (ids[-1] in eos_ids and not req.sampling.ignore_eos) or ids[-1] in (req.sampling.stop_token_ids or ()):
+        return "stop"
+    return "length" if len(ids) >= max_new_tokens(req, prompt_len, info) else None
 
 
 @functools.lru_cache(maxsize=1 << 17)
@@ -173,9 +188,43 @@ class _Decoder:
         self._stops = StopStringMatcher(req.stop)
         self._logprobs = req.logprobs
         self.keeps_tokens = req.max_tokens != 0  # max_tokens 0: the one token run is dropped
-        # The prompt goes back on the first delta, when asked for (echo, prompt logprobs).
+        # The prompt goes back on the first delta, when asked for (echo, prompt logprobs), unless
+        # the choice is continued here (its first replica sent it).
         wants_prompt = prompt_ids is not None and (req.echo or req.sampling.prompt_logprobs is not None)
-        self._prompt_ids = prompt_ids if wants_prompt else None
+        self._prompt_ids = prompt_ids if wants_prompt and req.resume is None else None
+        # A continued choice: its text so far is decoded again (the detokenizer and stop strings
+        # carry on from it), and what the client already has is not sent twice.
+        self._unsent_text, self._skip_chars = "", 0
+        if req.resume is not None:
+            self._unsent_text = self._stops.feed(self._detok.step(list(req.resume.token_ids)))
+            self._skip_chars = req.resume.text_chars
+
+    def _feed(self, new: list[int]) -> tuple[list[int], str]:
+        """The tokens of an output and their text, cut at a stop string: tokens after the one that
+        completed it are dropped too (an output may carry several steps' tokens), so the tokens
+        and usage of a choice do not depend on how its outputs were batched."""
+        if not new:
+            return new, ""
+        if not self._req.stop or len(new) == 1:
+            return new, self._stops.feed(self._detok.step(new))
+        text = ""
+        for i, token in enumerate(new):
+            text += self._stops.feed(self._detok.step([token]))
+            if self._stops.stopped:
+                return new[: i + 1], text
+        return new, text
+
+    def rest(self) -> str:
+        """The text still held back (a continued choice that was already complete)."""
+        if self._stops.stopped:
+            return self._not_sent_yet("")
+        return self._not_sent_yet(self._stops.feed(self._detok.flush()) + self._stops.flush())
+
+    def _not_sent_yet(self, text: str) -> str:
+        text, self._unsent_text = self._unsent_text + text, ""
+        cut = min(self._skip_chars, len(text))
+        self._skip_chars -= cut
+        return text[cut:]
 
     @property
     def stopped(self) -> bool:
@@ -197,16 +246,17 @@ class _Decoder:
     def delta(self, out: GenerationOutput) -> WorkerEvent | None:
         """The `delta` event of one output (None when it adds neither tokens, text nor prompt)."""
         prompt = self._prompt(out)
-        new = list(out.new_tokens) if self.keeps_tokens else []
-        text = self._stops.feed(self._detok.step(new)) if new else ""
+        batch = list(out.new_tokens) if self.keeps_tokens else []
+        new, text = self._feed(batch)
         if out.is_finished() and not self._stops.stopped:
             text += self._stops.feed(self._detok.flush())
             text += self._stops.flush()
+        text = self._not_sent_yet(text)
         if not (new or text or prompt):
             return None
         top = None
         if self._logprobs and self._req.sampling.top_logprobs and new:
-            top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(new):]]
+            top = [top_entries(self._tokenizer, pairs) for pairs in (out.top_logprobs or [])[-len(batch):][: len(new)]]
         return WorkerEvent(
             kind="delta",
             text=text,
@@ -299,7 +349,12 @@ async def run_request(
     """
     try:
         grammar = await _grammar(info, req)
-        prompt_ids, rid = submit(manager, tokenizer, info, req, grammar)
+        prompt_ids = tokenize(tokenizer, req)
+        decoder = _Decoder(tokenizer, req, prompt_ids)
+        # A continued choice may be complete already: its replica was lost after its last token.
+        finished = resumed_finish(info, req, len(prompt_ids)) or ("stop" if decoder.stopped else None)
+        if finished is None:
+            _, rid = submit(manager, tokenizer, info, req, grammar, prompt_ids)
     except InvalidRequestError as exc:
         yield error_event(400, exc.message, exc.field)
         return
@@ -312,7 +367,13 @@ async def run_request(
         return
     yield WorkerEvent(kind="start", replica=replica, prompt_tokens=len(prompt_ids),
                       reasoning=reasoning_mode(tokenizer, req, prompt_ids), tool_format=tool_format(tokenizer, req.tools))
-    async for ev in _stream(manager, rid, _Decoder(tokenizer, req, prompt_ids), interval_s):
+    if finished is not None:
+        text = decoder.rest()
+        if text:
+            yield WorkerEvent(kind="delta", text=text)
+        yield WorkerEvent(kind="end", finish_reason=finished, completion_tokens=len(req.resume.token_ids))
+        return
+    async for ev in _stream(manager, rid, decoder, interval_s):
         yield ev
 
 
