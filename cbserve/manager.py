@@ -213,7 +213,9 @@ class ContinuousBatchingManager:
         `speculative=False` keeps the request out of the engine's speculative decoding;
         `resume_tokens=` the output so far of a request begun on another engine (stream migration:
         they count as generated, come back in its result but are not streamed again); `lora=` a LoRA
-        adapter (`load_lora`'s name, or a PEFT adapter folder) the request runs with (enable_lora)."""
+        adapter (`load_lora`'s name, or a PEFT adapter folder) the request runs with (enable_lora);
+        `pooling="mean"` or `"last"` makes it an embedding request: its prompt is computed, nothing
+        generated, and its final output carries `embedding` (`workers/pooling.py`)."""
         return self._submit([(input_ids, request_id)], max_new_tokens, streaming, record_timestamps, eos_token_id,
                             logit_processor_kwargs)[0]
 
@@ -236,6 +238,7 @@ class ContinuousBatchingManager:
                                "destroyed" if self._loop.state is LoopState.DESTROYED else "stopped")
                 raise self._loop.refusal()
             grammar = sampling_args.pop("grammar", None)  # structured outputs: StructuredOutputs.compile()
+            pooling = sampling_args.pop("pooling", None)  # an embedding request (workers/pooling.py)
             cache_salt = validation.cache_salt(sampling_args.pop("cache_salt", None))  # prefix-cache isolation
             speculative = validation.speculative(sampling_args.pop("speculative", True))
             resume_tokens = sampling_args.pop("resume_tokens", None)  # stream migration: Request.resume
@@ -253,7 +256,7 @@ class ContinuousBatchingManager:
                     input_ids = input_ids.tolist()
                 requests.append(self.engine.make_request(
                     list(input_ids) if isinstance(input_ids, Sequence) else input_ids, request_id,
-                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens, lora,
+                    max_new_tokens, streaming, eos_token_id, sampling, grammar, resume_tokens, lora, pooling,
                 ))
                 for name, value in share.items():  # priority, tenant, parent_id (fair_share.py)
                     setattr(requests[-1], name, value)

@@ -41,6 +41,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    POOLED = "pooled"  # an embedding request: its prompt pooled (workers/pooling.py), nothing generated
 
 
 @dataclass
@@ -70,6 +71,8 @@ class GenerationOutput:
     # most likely (token, logprob) pairs at each prompt position.
     prompt_logprobs: list[float | None] | None = field(default=None, repr=False)
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = field(default=None, repr=False)
+    # An embedding request's pooled, L2-normalized final hidden state, once it finished.
+    embedding: list[float] | None = field(default=None, repr=False)
 
     @property
     def generated_tokens(self) -> list[int]:

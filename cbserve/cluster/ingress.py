@@ -1,6 +1,7 @@
 """The ingress deployment: the OpenAI HTTP API (FastAPI) and the gRPC `Generate` call.
 
-HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/embeddings`,
+`GET /v1/models`, `GET /health`,
 `GET /metrics`, `GET /version`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Every
 refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 `cbserve/serving/protos/generate.proto`, reached through Serve's gRPC proxy, which calls the
@@ -38,6 +39,7 @@ from cbserve.errors import InvalidRequestError
 from cbserve.serving import tokenization
 from cbserve.serving.api_errors import APIError, internal_error, openai_error, refusal
 from cbserve.serving.front import grpc_service
+from cbserve.serving.front.embeddings import EmbeddingRequest
 from cbserve.serving.front.json_body import parse_request
 from cbserve.serving.front.metrics import ServingMetrics
 from cbserve.serving.front.openai_service import OpenAIService, Reply
@@ -265,6 +267,10 @@ class OpenAIIngress:
     @app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, ResponsesRequest, self.service.responses)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._serve(request, EmbeddingRequest, self.service.embeddings)
 
     async def _on_replica(self, request: Request, call: Any) -> Response:
         """A tokenizer route: `call(body)` parses the body and returns a replica call's result."""

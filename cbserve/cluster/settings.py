@@ -12,7 +12,13 @@ from typing import Any, Literal
 from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator, model_validator
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.serving.front.service_args import GenerationDefaults, LimitsConfig, RoutingConfig, Strict
+from cbserve.serving.front.service_args import (
+    EmbeddingsConfig,
+    GenerationDefaults,
+    LimitsConfig,
+    RoutingConfig,
+    Strict,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What Serve's proxy, the ingress and Ray's own processes take of a CPU node while 32 streams run
@@ -153,6 +159,7 @@ class ClusterArgs(Strict):
         "the cluster owns (CLUSTER_OWNED_ENGINE_FIELDS, `engine_replica.engine_config`)"
     )
     generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
+    embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     cpu_offload: CpuOffloadConfig = Field(default_factory=CpuOffloadConfig)

@@ -73,7 +73,8 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class LlamaForward:
     """Called with the runner's forward kwargs; returns the logits of the `logits_to_keep` rows,
-    ``[1, rows, vocab]``, like the model's forward."""
+    ``[1, rows, vocab]``, like the model's forward, and the final (normed) hidden states of
+    `pooled_rows` (embeddings; None when not asked)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -83,7 +84,8 @@ class LlamaForward:
         dtype = next(model.parameters()).dtype
         self.cpp = dtype in (torch.float32, torch.bfloat16) and not cpu_kernels.unavailable_reason()
 
-    def __call__(self, kwargs: dict) -> torch.Tensor:
+    def __call__(self, kwargs: dict, pooled_rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         inner, meta = self.model.model, kwargs["cb_meta"]
         residual = inner.embed_tokens(kwargs["input_ids"])  # [1, T, hidden]; a new tensor: added to in place
         cos, sin = inner.rotary_emb(residual, kwargs["position_ids"])  # [1, T, head_dim]
@@ -95,7 +97,8 @@ class LlamaForward:
             x, residual = self.norm(layer.post_attention_layernorm, out, residual)
             out = self.mlp(layer.mlp, x)
         x, _ = self.norm(inner.norm, out, residual)
-        return linear(self.model.lm_head, x[:, kwargs["logits_to_keep"]])
+        hidden = None if pooled_rows is None else x[0, pooled_rows]
+        return linear(self.model.lm_head, x[:, kwargs["logits_to_keep"]]), hidden
 
     def norm(self, norm: torch.nn.Module, x: torch.Tensor | None, residual: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,6 +89,9 @@ class Request:
     # Structured outputs: the compiled constraint (workers/structured.py), and whether it is complete.
     grammar: object | None = None
     grammar_done: bool = False
+    # An embedding request's pooling (workers/pooling.py): its prompt's hidden states are pooled,
+    # nothing is sampled; it finishes when its prompt is computed.
+    pooling: object | None = None
     # Tokens whose K/V are in the cache; the rest of `tokens` is computed by the next steps.
     num_computed: int = 0
     # Async batching: sampled on the device by a launched step, not yet appended to `tokens`.
@@ -158,10 +161,16 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Its next tokens may be proposed and verified in one pass: nothing makes a token's
-        distribution depend on the proposals before it (logits processors, a grammar) and no
-        prompt logprobs are owed."""
+        distribution depend on the proposals before it (logits processors, a grammar), no
+        prompt logprobs are owed and no prompt is pooled (an embedding request never decodes)."""
         return (self.speculative and self.grammar is None and not self.sampling.processes_logits
-                and not self.wants_prompt_logprobs)
+                and not self.computes_whole_prompt)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt is computed, never matched in the prefix cache: the matched positions'
+        logits (prompt logprobs) or hidden states (pooling) would be missing."""
+        return self.wants_prompt_logprobs or self.pooling is not None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -232,4 +241,5 @@ class Request:
             _length=len(self.generated),
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            embedding=getattr(self.pooling, "embedding", None),
         )

@@ -54,11 +54,15 @@ class Proposer(Protocol):
 class ScheduledRequest:
     request: Request
     num_query_tokens: int
-    # The chunk reaches the end of the request's tokens, so its last logits are sampled.
+    # The chunk reaches the end of the request's tokens, so its last logits are sampled (never
+    # an embedding request's: it ends with its prompt).
     sample: bool
     # Speculative decoding: tokens proposed to follow the request's last one, in the chunk after
     # it (num_query_tokens = 1 + len(draft)); each of their rows' logits is verified.
     draft: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sample = self.sample and self.request.pooling is None
 
 
 @dataclass
@@ -344,7 +348,7 @@ class Scheduler:
             if not limits.room(request, 1):  # its tenant or parent has had its tokens this step
                 continue
             restored = request.num_offloaded_tokens
-            if not restored and not request.wants_prompt_logprobs:  # those recompute cached prompts
+            if not restored and not request.computes_whole_prompt:
                 bm.match_prefix(request)
                 if bm.waits_for_prefix(request, in_flight):  # its prefix is being computed
                     bm.free(request)

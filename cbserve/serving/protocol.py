@@ -73,7 +73,8 @@ class Resume(BaseModel):
 
 
 class WorkerRequest(BaseModel):
-    """One generation (one choice): exactly one of `prompt`, `messages`, `prompt_ids`."""
+    """One generation (one choice), or one embedding (`pooling`): exactly one of `prompt`,
+    `messages`, `prompt_ids`."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not a default
 
@@ -97,6 +98,8 @@ class WorkerRequest(BaseModel):
     migrate: bool = Field(True, description="false: no continuation elsewhere if its replica loses it")
     avoid_replicas: list[str] = Field(default_factory=list, description="read by the request router: replicas "
                                       "this choice left (tried last)")
+    pooling: Literal["mean", "last"] | None = Field(None, description="set: an embedding (the `end` event carries "
+                                                    "it); nothing is generated")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkerRequest:
@@ -141,6 +144,7 @@ class WorkerEvent(BaseModel):
     # end
     finish_reason: FinishReason | None = None
     completion_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector
     # error
     status: int = 0
     message: str = ""

@@ -75,6 +75,7 @@ class CompiledForward:
             for path, kwargs in self.configs.items()
         }
         self.lean = None
+        self.hidden: torch.Tensor | None = None  # the last call's `pooled_rows` hidden states
         if not self.enabled:
             reason = llama_forward.unsupported_reason(model)
             self.lean = None if reason else llama_forward.LlamaForward(model)
@@ -111,14 +112,28 @@ class CompiledForward:
         kwargs = self.configs[path]
         return kwargs is not None and kwargs.get("dynamic") is False
 
-    def __call__(self, kwargs: dict, decode_only: bool) -> torch.Tensor:
+    def __call__(self, kwargs: dict, decode_only: bool, pooled_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of the kept rows; with `pooled_rows`, `hidden` is then those rows' final
+        hidden states (after the model's last norm), [rows, hidden] (`pooling.py`)."""
         self.path = "decode" if decode_only else "varlen"
         num_sampled = kwargs["logits_to_keep"].numel()
         if self.static(self.path):
             kwargs = self._pad(kwargs)
         if self.lean is not None:
-            return self.lean(kwargs)[0, :num_sampled]
-        return self.model(**kwargs).logits[0, :num_sampled]
+            logits, self.hidden = self.lean(kwargs, pooled_rows)
+            return logits[0, :num_sampled]
+        if pooled_rows is None:
+            self.hidden = None
+            return self.model(**kwargs).logits[0, :num_sampled]
+        taken: list[torch.Tensor] = []
+        # The base model's output is its last (normed) hidden state, whatever the architecture.
+        hook = self.model.base_model.register_forward_hook(lambda _m, _a, out: taken.append(out[0][0, pooled_rows]))
+        try:
+            logits = self.model(**kwargs).logits[0, :num_sampled]
+        finally:
+            hook.remove()
+        self.hidden = taken[0]
+        return logits
 
     def _pad(self, kwargs: dict) -> dict:
         """Pad tokens and sampled rows to their buckets (static shapes)."""

@@ -30,6 +30,7 @@ from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.generation_config import sampling_params as generation_config_sampling
 from cbserve.workers.model_runner import num_sampled_rows
 from cbserve.workers.parallel.groups import TensorParallelError
+from cbserve.workers.pooling import Pooling, add_hidden_states, check_method, completed
 from cbserve.workers.sampler import prompt_logprobs
 from cbserve.workers.speculative import sample_with_drafts
 from cbserve.workers.structured import Grammar, check_grammar_accepts
@@ -173,20 +174,27 @@ class EngineCore:
         grammar: Grammar | None = None,
         resume_tokens: list[int] | None = None,
         lora: str | None = None,
+        pooling: str | None = None,
     ) -> Request:
         """Validate a request at the boundary (`workers/validation.py`); every error names the
         argument and its range. `sampling`: already validated (`validation.sampling`); `grammar`: compiled
         for this model (`StructuredOutputs.compile`); `resume_tokens`: the output so far of a request
         continued here (stream migration, `Request.resume`); `lora`: a loaded adapter's name or an
-        adapter folder (`resolve_lora`)."""
+        adapter folder (`resolve_lora`); `pooling`: "mean" or "last" makes it an embedding request
+        (`pooling.py`: its prompt only, nothing generated)."""
         if self.parallel is not None:
             self.parallel.check_health()  # refused at the boundary: the group is gone
         validation.request_id(request_id, self.requests)
         prompt = validation.prompt(input_ids, self.shape.vocab_size)
         gc = self.generation_config
-        if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20
-        validation.max_new_tokens(max_new_tokens)
+        if pooling is not None:  # an embedding: its prompt only
+            if self.parallel is not None:
+                raise InvalidRequestError("pooling", "embeddings are not served with tensor parallelism (tp_size > 1)")
+            max_new_tokens = 0
+        else:
+            if max_new_tokens is None:
+                max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20
+            validation.max_new_tokens(max_new_tokens)
         validation.eos_token_id(eos_token_id)
         validation.fits(len(prompt), max_new_tokens, self.shape.max_context, self.capacity_tokens)
         sampling = sampling or self._default_sampling
@@ -206,6 +214,7 @@ class EngineCore:
             return_logprobs=self.config.return_logprobs,
             grammar=grammar,
             lora_id=lora_id,
+            pooling=None if pooling is None else Pooling(check_method(pooling), len(prompt)),
         )
         if resumed:
             if sampling.prompt_logprobs is not None:
@@ -340,7 +349,7 @@ class EngineCore:
             return updated
         in_flight, self._in_flight = self._in_flight, None
         launch_async = (self.async_batching and all(s.request.plain_greedy for s in batch if s.sample)
-                        and not any(s.request.wants_prompt_logprobs for s in batch))
+                        and not any(s.request.computes_whole_prompt for s in batch))
         updated: list[Request] = []
         if in_flight is not None and not launch_async:
             # Synchronous: earlier tokens first (rows of requests that just stopped are dropped).
@@ -365,6 +374,8 @@ class EngineCore:
         else:
             if self.runner.prompt_chunks:  # their rows follow the sampled ones
                 prompt_logprobs(logits[num_rows:], self.runner.prompt_chunks)
+            if self.runner.pool_chunks:
+                add_hidden_states(self.runner.hidden, self.runner.pool_chunks)
             if num_rows > len(requests):  # some requests verify proposed tokens
                 result = sample_with_drafts(self.sampler, logits[:num_rows], requests, [s.draft for s in sampled],
                                             self.config.return_logprobs)
@@ -372,6 +383,7 @@ class EngineCore:
                 result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
                           else StepResult([]))
             updated += self._update(plan, result)
+            updated += self._finish_pooled(batch)
         self.timings["schedule"] += t1 - t0
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
@@ -387,6 +399,14 @@ class EngineCore:
             if not request.live:
                 self._forget(request)
         return updated
+
+    def _finish_pooled(self, batch: list) -> list[Request]:
+        """Embedding requests whose prompt this step completed finish with their vectors."""
+        done = completed([s.request for s in batch])
+        for request in done:
+            self.scheduler.finish(request, RequestStatus.FINISHED, FinishReason.POOLED)
+            self._forget(request)
+        return done
 
     def _observe(self, result: StepResult) -> None:
         """Each live request's grammar and penalties take its token; a request whose own state

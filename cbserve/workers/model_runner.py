@@ -8,6 +8,7 @@ import torch
 
 from cbserve.kernels.attention_backends import KernelBackend
 from cbserve.kernels.paged_attention import AttentionMetadata, KernelInputs, PrefillChunk
+from cbserve.scheduler.request import Request
 from cbserve.scheduler.scheduler import ScheduledRequest
 from cbserve.workers.async_batching import InFlightStep
 from cbserve.workers.block_table import BlockTables
@@ -27,6 +28,7 @@ class _Rows:
     slots: list[torch.Tensor] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
+    pooled_rows: list[int] = field(default_factory=list)  # rows whose final hidden state is pooled
 
 
 def is_decode(s: ScheduledRequest) -> bool:
@@ -63,6 +65,12 @@ class ModelRunner:
         # (request, first prompt position they predict, how many).
         self.prompt_chunks: list[tuple[ScheduledRequest, int, int]] = []
         self.has_drafts = False  # the last prepared step verifies proposed tokens
+        # The last prepared step's embedding requests and the positions they pool (`pooling.py`),
+        # the rows of `pooled_rows` (on the device) in that order; run() sets `hidden` to those
+        # rows' final hidden states.
+        self.pool_chunks: list[tuple[Request, range]] = []
+        self.pooled_rows: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
         # Pinned double-buffered copies on CUDA; on a CPU, .to() is a no-op.
         self.staging = InputStaging(self.device) if self.device.type == "cuda" else None
 
@@ -161,7 +169,7 @@ class ModelRunner:
                       first: int) -> list[PrefillChunk]:
         """A chunk of rows per prefill request (block-table rows from `first` on)."""
         chunks: list[PrefillChunk] = []
-        self.prompt_chunks = []
+        self.prompt_chunks, self.pool_chunks = [], []
         self.has_drafts = any(s.draft for s in prefills)  # only decoding requests have drafts: never decode rows
         row = len(rows.input_ids)
         for i, s in enumerate(prefills, start=first):
@@ -176,6 +184,11 @@ class ModelRunner:
                 rows.sample_rows.extend(range(row - 1 - len(s.draft), row))
             if req.wants_prompt_logprobs:
                 self._keep_prompt_rows(rows, s, row - n)
+            if req.pooling is not None and (positions := req.pooling.positions(start, n)):
+                origin = row - n - start  # where position 0's row would be
+                rows.pooled_rows.extend(range(origin + positions.start, origin + positions.stop))
+                self.pool_chunks.append((req, positions))
+        self.pooled_rows = torch.tensor(rows.pooled_rows, device=self.device) if rows.pooled_rows else None
         return chunks
 
     def _keep_prompt_rows(self, rows: _Rows, s: ScheduledRequest, first_row: int) -> None:
@@ -197,12 +210,15 @@ class ModelRunner:
     def run(self, kwargs: dict) -> torch.Tensor:
         """Logits [num_sampled, vocab] in float32 for the prepared batch."""
         meta = kwargs["cb_meta"]
-        if self.graphs is not None and not self.prompt_chunks and not self.has_drafts:  # graphs: one row per request
+        plain = not self.prompt_chunks and not self.has_drafts and self.pooled_rows is None
+        if self.graphs is not None and plain:  # graphs: one row per request
             logits = self.graphs.run(kwargs)
             if logits is not None:
                 return logits.float()
         try:
-            return self._as_float(self.forward(kwargs, decode_only=not meta.prefills))
+            logits = self.forward(kwargs, decode_only=not meta.prefills, pooled_rows=self.pooled_rows)
+            self.hidden = self.forward.hidden
+            return self._as_float(logits)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

@@ -266,7 +266,7 @@ class StructuredOutputs:
         if kind == "json_object":
             return ""
         if kind == "json_schema":
-            return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+            return spec if isinstance(spec, str) else json.dumps(spec)  # keys in order: the output writes them so
         if kind == "choice":
             if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
                 raise ValueError("a choice must be a non-empty list of strings")

@@ -125,11 +125,15 @@ def eos_token_id(value: Any) -> None:
 
 
 def fits(prompt_len: int, new_tokens: int, max_context: int, capacity_tokens: int) -> None:
-    """The whole sequence must fit the model's context and the KV cache."""
+    """The whole sequence must fit the model's context and the KV cache (a prompt alone, of an
+    embedding request, is the prompt's fault)."""
     total = prompt_len + new_tokens
     for limit, what in ((max_context, "the model's context of"), (capacity_tokens, "the KV cache's")):
         if total > limit:
             suffix = "" if limit == max_context else " (num_blocks * page_size)"
+            if new_tokens == 0:
+                raise InvalidRequestError("input_ids", f"the prompt's {prompt_len} tokens exceed {what} {limit} "
+                                          f"tokens{suffix}")
             raise InvalidRequestError(
                 "max_new_tokens", f"prompt ({prompt_len} tokens) + max_new_tokens ({new_tokens}) = {total} exceeds "
                 f"{what} {limit} tokens{suffix}")

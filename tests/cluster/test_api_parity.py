@@ -210,8 +210,18 @@ def test_tool_calls_through_the_openai_client(cluster: dict[str, Any]) -> None:
     assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     required = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
-                                              tool_choice="required", parallel_tool_calls=False)
+                                              tool_choice="required", parallel_tool_calls=False, temperature=0)
     assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # streamed through the SDK's helper: the arguments come in pieces and add up to the same call
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
+                                        tool_choice="required", parallel_tool_calls=False, temperature=0) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert len(pieces) > 1 and "".join(pieces) == streamed.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls" and streamed.function.name == "get_weather"
+    whole = required.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(streamed.function.arguments) == json.loads(whole)
     # auto: the model's own Hermes text (forced here, the tiny model would not write it) is parsed
     auto = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=200,
                                           extra_body={"guided_choice": [CALL_TEXT]})  # ~1 token a character
@@ -269,6 +279,37 @@ def test_responses_api_through_the_openai_client(cluster: dict[str, Any]) -> Non
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_unknown")
     assert err.value.body["param"] == "previous_response_id"
+
+
+# ---- embeddings ---------------------------------------------------------------------------------
+
+
+def test_embeddings_through_the_openai_client(cluster: dict[str, Any], reference: Any) -> None:
+    """The SDK asks for base64 unless told otherwise and decodes it; the vectors are the model's
+    last hidden state, mean-pooled (the deployment's default) and normalized, also while a chat
+    streams beside them on the same engine."""
+    import numpy as np
+    import openai
+
+    model, tok = reference
+    client = _client(cluster)
+    texts = ["the sea is calm tonight", "a longer input, " * 40]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(client.chat.completions.create, model=MODEL, max_tokens=32, temperature=0,
+                           messages=[{"role": "user", "content": "the sea"}])
+        out = client.embeddings.create(model=MODEL, input=texts)
+        floats = client.embeddings.create(model=MODEL, input=[tok(t).input_ids for t in texts], encoding_format="float")
+        assert chat.result().choices[0].finish_reason in ("stop", "length")
+    assert out.model == MODEL and out.usage.prompt_tokens == sum(len(tok(t).input_ids) for t in texts)
+    for a, b, text in zip(out.data, floats.data, texts):
+        with torch.no_grad():
+            hidden = model.base_model(torch.tensor([tok(text).input_ids])).last_hidden_state[0].double()
+        expected = torch.nn.functional.normalize(hidden.mean(0), dim=0).numpy()
+        np.testing.assert_allclose(a.embedding, expected, atol=2e-5)
+        np.testing.assert_allclose(b.embedding, a.embedding, atol=1e-6)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model=MODEL, input="x", dimensions=8)
+    assert err.value.body["param"] == "dimensions"
 
 
 CLIENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" / "python"

@@ -368,9 +368,16 @@ def test_named_tool_call_streams(service: OpenAIService) -> None:
                          tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64,
                          temperature=0)
     calls = [tc for c in chunks if c["choices"] for tc in (c["choices"][0]["delta"].get("tool_calls") or [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
-    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+    first, rest = calls[0], calls[1:]  # OpenAI's deltas: the id and name, then the arguments in pieces
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["function"]["name"] == "get_weather"
+    assert len(rest) > 1 and all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"}
+                                 and d["index"] == 0 for d in rest)  # no null id, type or name, as OpenAI
+    arguments = "".join(d["function"]["arguments"] for d in rest)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    whole = chat(service, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER], max_tokens=64,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    assert json.loads(whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == json.loads(arguments)
 
 
 def test_hermes_parser_cuts_calls_out_of_streamed_text() -> None:

@@ -144,8 +144,9 @@ def test_function_calls_come_back_as_items(service: Any) -> None:
         temperature=0)]
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]
-    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert deltas == "".join(c.arguments for c in calls)
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == "".join(c.arguments for c in calls)
+    assert len(pieces) > len(calls)  # the arguments in pieces, as the model writes them
 
 
 def test_previous_response_id_continues_the_stored_conversation(service: Any) -> None:

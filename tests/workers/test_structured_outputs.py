@@ -85,6 +85,15 @@ def test_constrained_outputs_parse_and_validate_beside_free_ones() -> None:
     assert all(r.finish_reason == cbserve.FinishReason.LENGTH for r in free)  # random weights ramble
 
 
+def test_an_objects_keys_come_in_the_schemas_order() -> None:
+    """As OpenAI's structured outputs write them (a forced tool call's name before its arguments:
+    the name streams first)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["zone", "answer"],
+              "properties": {"zone": {"enum": ["utc"]}, "answer": {"type": "boolean"}}}
+    [request] = constrained_run([("json_schema", schema)])
+    assert list(json.loads(text(request))) == ["zone", "answer"]
+
+
 def test_json_object_from_the_default_model() -> None:
     model, tok = default_model()
     structured = StructuredOutputs(tok, model.config.vocab_size, [tok.eos_token_id])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cbserve.serving.front.forced_stream import ForcedCallStream
 from cbserve.serving.front.reasoning import ThinkSplitter, split_reasoning
 from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
 from cbserve.serving.front.schemas import (
@@ -42,19 +43,19 @@ class ChatRendering:
         """One choice's chunks; `reasoning`, `tool_format`: its start event's (how a thinking
         model's output begins, how the model writes tool calls)."""
         splitter = None if reasoning == "off" else ThinkSplitter(inside=reasoning == "open")
-        return ChatStream(self, index, splitter, stream_parser(tool_format))
+        forced = self.tool_mode in ("named", "required")
+        return ChatStream(self, index, splitter, ForcedCallStream(self.tool_mode) if forced else stream_parser(tool_format))
 
 
 @dataclass
 class ChatStream:
-    """One choice's chunks: content as it comes (held while it may be a call); Hermes calls'
-    arguments as they come, other calls whole."""
+    """One choice's chunks: content as it comes (held while it may be a call); forced and Hermes
+    calls' arguments as they come, other calls whole."""
 
     rendering: ChatRendering
     index: int
     splitter: ThinkSplitter | None = None  # a thinking model's: reasoning out of the text first
-    _parser: HermesStreamParser | WholeOutputParser = field(default_factory=HermesStreamParser)
-    _forced: str = ""  # named / required: the constrained JSON, parsed at the end
+    _parser: ForcedCallStream | HermesStreamParser | WholeOutputParser = field(default_factory=HermesStreamParser)
     _calls: int = 0
 
     def chunks(self, p: Piece) -> list[ChatChunkChoice]:
@@ -65,15 +66,11 @@ class ChatStream:
 
     def _content(self, text: str) -> tuple[str, list]:
         """The content to show now and the calls completed (tools take their text out)."""
-        mode = self.rendering.tool_mode
-        if mode in ("named", "required"):
-            self._forced += text
-            return "", []
-        if mode == "auto":
-            if isinstance(self._parser, HermesStreamParser):
-                return self._parser.feed_deltas(text)
+        if self.rendering.tool_mode == "none":
+            return text, []
+        if isinstance(self._parser, WholeOutputParser):
             return self._parser.feed(text)
-        return text, []
+        return self._parser.feed_deltas(text)
 
     def _delta(self, p: Piece, text: str, calls: list, reasoning: str = "") -> list[ChatChunkChoice]:
         """`calls`: whole ToolCalls (numbered here) or a stream parser's deltas (numbered there)."""
@@ -93,15 +90,11 @@ class ChatStream:
         return out
 
     def _finish(self, p: Piece) -> list[ChatChunkChoice]:
-        mode = self.rendering.tool_mode
         reasoning, held = self.splitter.flush() if self.splitter is not None else ("", "")
         text, calls = self._content(held)  # what the splitter held back, through the tools' parsing
-        if mode in ("named", "required"):
-            content, calls = split_calls(self._forced, mode)
-            text = content or ""
-        elif mode == "auto":
-            stream = isinstance(self._parser, HermesStreamParser)
-            rest, more = self._parser.flush_deltas() if stream else self._parser.flush()  # type: ignore[union-attr]
+        if self.rendering.tool_mode != "none":
+            whole = isinstance(self._parser, WholeOutputParser)
+            rest, more = self._parser.flush() if whole else self._parser.flush_deltas()  # type: ignore[union-attr]
             text, calls = text + rest, calls + more
         out = self._delta(Piece(), text if not (self._calls or calls) or text.strip() else "", calls, reasoning)
         finish = "tool_calls" if self._calls and p.finish_reason != "length" else p.finish_reason

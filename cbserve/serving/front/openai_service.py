@@ -21,8 +21,9 @@ from cbserve.errors import InvalidRequestError
 from cbserve.serving.api_errors import APIError, openai_error
 from cbserve.serving.chat_template import template_messages
 from cbserve.serving.constraints import requested, tool_choice_mode, tool_constraint
-from cbserve.serving.front import responses
+from cbserve.serving.front import embeddings, responses
 from cbserve.serving.front.chat_replies import ChatRendering
+from cbserve.serving.front.embeddings import EmbeddingRequest
 from cbserve.serving.front.metrics import ServingMetrics
 from cbserve.serving.front.replies import (
     ChoiceResult,
@@ -381,6 +382,29 @@ class OpenAIService:
         body = responses.render(req, reply.body)
         keep(body["id"], body["output"])
         return Reply(reply.replicas, body=body)
+
+    async def embeddings(self, req: EmbeddingRequest, arrival: float | None = None,
+                         client_id: str | None = None) -> Reply:
+        """OpenAI's embeddings: one embedding request per input (`embeddings.py`)."""
+        try:
+            return await self._embed(req, time.perf_counter() if arrival is None else arrival,
+                                     call_ids("embd", client_id)[1])
+        except InvalidRequestError as exc:
+            raise openai_error(exc, "input") from None
+
+    async def _embed(self, req: EmbeddingRequest, arrival: float, call: str) -> Reply:
+        self.check_model(req.model)
+        req.check(self.args.limits.max_prompts)
+        block = Sampling(tenant=user_tenant(req.user), parent_id=call)
+        wreqs = [worker_request(f"{call}-{i}", routing_hashes(self.args.routing, p), block,
+                                prompt=p if isinstance(p, str) else None,
+                                prompt_ids=None if isinstance(p, str) else p, pooling=self.args.embeddings.pooling)
+                 for i, p in enumerate(req.inputs())]
+        streams = await self._open_all(wreqs)
+        results = await self._collect_all(streams, arrival)  # raises a choice's failure
+        return Reply([s.start.replica or "" for s in streams], body=embeddings.response(
+            self.model_name, [r.embedding or [] for r in results], sum(s.start.prompt_tokens for s in streams),
+            req.encoding_format))
 
     async def _chat(self, req: ChatCompletionRequest, arrival: float, rid: str, call: str) -> Reply:
         mode = tool_choice_mode(req)

@@ -61,6 +61,7 @@ class ChoiceResult(Piece):
     prompt_tokens: int = 0
     reasoning: str = "off"  # the start event's: how a thinking model's output begins
     tool_format: str = "hermes"  # the start event's: how the model writes tool calls
+    embedding: list[float] | None = None  # the end event's, of an embedding request
     error: WorkerEvent | None = None  # an `error` event; an abort or a cut stream becomes one too
     timer: Any = field(default=None, repr=False, compare=False)  # a metrics.ChoiceTimer
 
@@ -89,6 +90,7 @@ class ChoiceResult(Piece):
             return piece
         if ev.kind == "end" and ev.finish_reason != "abort":
             self.finish_reason, self.completion_tokens = ev.finish_reason or "stop", ev.completion_tokens
+            self.embedding = ev.embedding
             if self.timer is not None:
                 self.timer.on_end(self.finish_reason)
             return Piece(finish_reason=self.finish_reason, completion_tokens=self.completion_tokens)

@@ -409,12 +409,22 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension (the chat's prompt is shared)
 
 
-class DeltaFunctionCall(BaseModel):
+class _OmitsNone(BaseModel):
+    """Only the keys given, as OpenAI streams a call: its later deltas carry no `id`, `type` or
+    `name` (a null `type` would overwrite what the SDKs' stream helpers accumulated)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class DeltaFunctionCall(_OmitsNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_OmitsNone):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None

@@ -4,7 +4,7 @@ read from `ray_config.yaml`."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,12 +24,22 @@ class GenerationDefaults(Strict):
     top_k: int | None = Field(None, ge=0, description="None: the model's, else off; 0 = off")
 
 
+class EmbeddingsConfig(Strict):
+    """`/v1/embeddings` of the served model (`workers/pooling.py`)."""
+
+    pooling: Literal["mean", "last"] = Field(
+        "mean", description="mean: the mean of every input position's final hidden state (llama.cpp's --pooling "
+                            "mean); last: the last position's (vLLM's default for decoder-only models, what causal "
+                            "LMs trained as embedders expect); either L2-normalized")
+
+
 class LimitsConfig(Strict):
     max_tokens: int | None = Field(None, ge=1, description="largest max_tokens a request may ask for; None: "
                                    "no limit but the context (a larger max_tokens is capped to the context left)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
     max_n: int = Field(8, ge=1, description="largest `n` (choices per prompt)")
-    max_prompts: int = Field(64, ge=1, description="largest batch of prompts in one completions call")
+    max_prompts: int = Field(64, ge=1, description="largest batch of prompts in one completions call (and of "
+                             "inputs in one embeddings call)")
     max_stop: int = Field(8, ge=0, description="most stop strings per request")
 
 
@@ -75,6 +85,9 @@ class ServiceArgs(Protocol):
 
     @property
     def limits(self) -> LimitsConfig: ...
+
+    @property
+    def embeddings(self) -> EmbeddingsConfig: ...
 
     @property
     def routing(self) -> RoutingConfig: ...

@@ -5,7 +5,8 @@
   out of the text as it streams (`HermesParser`); what is not a well-formed call stays content.
 - other models' formats (Mistral, Llama 3 JSON, pythonic): `tool_formats.py`.
 - `"required"` and a named function: the output was constrained to the calls' JSON (a list of
-  calls, or one call: `constraints.tool_constraint`), parsed when it ends (`forced_calls`).
+  calls, or one call: `constraints.tool_constraint`), parsed when it ends (`forced_calls`) or
+  as it streams (`forced_stream.py`).
 
 A call gets an id `call_<hex>` and its arguments as JSON text, as OpenAI sends them.
 """
@@ -124,19 +125,29 @@ class HermesParser:
 
 
 # A Hermes call's head as its templates write it, up to where the arguments' JSON begins.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 # What may still be the call object's own closing brace (held back from the arguments).
 _TAIL = re.compile(r"\s*\}?\s*$")
 
 
 @dataclass
-class _Open:
+class OpenCall:
     """A call being streamed: its delta index and id, and how much of its body has been sent."""
 
     index: int
     id: str
     name: str
     sent: int
+
+    @classmethod
+    def read(cls, index: int, head: re.Match[str], sent: int) -> OpenCall:
+        """The call whose head (`CALL_HEAD`) was just read, with a new id."""
+        return cls(index, f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{head.group(1)}"'), sent)
+
+    def first_delta(self) -> DeltaToolCall:
+        """OpenAI's first delta of a call: its index, id and name, no arguments yet."""
+        return DeltaToolCall(index=self.index, id=self.id, type="function",
+                             function=DeltaFunctionCall(name=self.name, arguments=""))
 
 
 @dataclass
@@ -146,7 +157,7 @@ class HermesStreamParser(HermesParser):
     "arguments": ...}` comes whole when it ends; once streamed, a call stays a call."""
 
     opened: int = 0  # calls given a delta index so far
-    _open: _Open | None = None
+    _open: OpenCall | None = None
 
     def feed_deltas(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         """Add text; returns the content that may be shown now and the call deltas."""
@@ -177,14 +188,12 @@ class HermesStreamParser(HermesParser):
         """The deltas `body` (a call's text so far; `whole`: all of it) adds to what was sent."""
         out = []
         if self._open is None:
-            head = _HEAD.match(body)
+            head = CALL_HEAD.match(body)
             if head is None:
                 return out
-            self._open = _Open(self.opened, f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{head.group(1)}"'),
-                               head.end())
+            self._open = OpenCall.read(self.opened, head, head.end())
             self.opened += 1
-            out.append(DeltaToolCall(index=self._open.index, id=self._open.id, type="function",
-                                     function=DeltaFunctionCall(name=self._open.name, arguments="")))
+            out.append(self._open.first_delta())
         end = len(body.rstrip()) - 1 if whole else len(body) - len(_TAIL.search(body, self._open.sent).group(0))
         piece = body[self._open.sent:end].rstrip() if whole else body[self._open.sent:end]
         if piece:

@@ -123,6 +123,13 @@ def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest
     QueueFullError when the engine's waiting queue is full, RuntimeError when the manager is
     stopping."""
     prompt_ids = tokenize(tokenizer, req) if prompt_ids is None else prompt_ids
+    if req.pooling is not None:  # an embedding: the prompt alone must fit
+        if len(prompt_ids) > info.max_context:
+            raise InvalidRequestError("input_ids", f"the input's {len(prompt_ids)} tokens exceed the model's context "
+                                      f"of {info.max_context} tokens")
+        rid = manager.add_request(prompt_ids, request_id=req.request_id, max_new_tokens=None, streaming=True,
+                                  eos_token_id=info.eos_token_id, pooling=req.pooling, **req.sampling.engine_kwargs())
+        return prompt_ids, rid
     rid = manager.add_request(
         prompt_ids,
         request_id=req.request_id,
@@ -273,6 +280,8 @@ def _last_event(out: GenerationOutput, decoder: _Decoder) -> WorkerEvent:
         return error_event(500, f"generation failed: {out.error or 'engine error'}")
     if status == "cancelled":
         return WorkerEvent(kind="end", finish_reason="abort", completion_tokens=decoder.num_tokens)
+    if out.embedding is not None:
+        return WorkerEvent(kind="end", finish_reason="stop", embedding=out.embedding)
     if not decoder.keeps_tokens:
         return WorkerEvent(kind="end", finish_reason="length", completion_tokens=0)
     reason = getattr(out.finish_reason, "value", out.finish_reason)
