@@ -84,6 +84,20 @@ class EngineParts:
     lora: LoraSlots | None = None  # enable_lora: the adapters and their slots in the model's projections
 
 
+def _resume(request: Request, tokens: list[int]) -> None:
+    """A request continued here (stream migration) takes its output so far, which must be one it
+    could go on from: its grammar allows it, it is not complete, no prompt logprobs are owed."""
+    if request.sampling.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with resume_tokens (a continued "
+                                  "request's prompt was answered where it began)")
+    request.resume(tokens)
+    if request.grammar is not None:
+        check_grammar_accepts(request.grammar, tokens)
+    if request.stop_reason() is not None:
+        raise InvalidRequestError("resume_tokens", "resume_tokens: the output is already complete (it ends "
+                                  "with a stop token or reaches max_new_tokens)")
+
+
 class EngineCore:
     def __init__(
         self,
@@ -217,15 +231,7 @@ class EngineCore:
             pooling=None if pooling is None else Pooling(check_method(pooling), len(prompt)),
         )
         if resumed:
-            if sampling.prompt_logprobs is not None:
-                raise InvalidRequestError("prompt_logprobs", "prompt_logprobs: not with resume_tokens (a continued "
-                                          "request's prompt was answered where it began)")
-            request.resume(resumed)
-            if grammar is not None:
-                check_grammar_accepts(grammar, resumed)
-            if request.stop_reason() is not None:
-                raise InvalidRequestError("resume_tokens", "resume_tokens: the output is already complete (it ends "
-                                          "with a stop token or reaches max_new_tokens)")
+            _resume(request, resumed)
         return request
 
     # -- LoRA adapters (workers/lora_slots.py) ---------------------------------------------------
