@@ -36,7 +36,7 @@ def _own(block: Sampling) -> Sampling:
 
 def test_the_block_holds_only_add_request_keywords() -> None:
     engine = (set(validation.SAMPLING_FIELDS) | set(validation.OPTIONS) | set(validation.SCHEDULING_FIELDS)
-              | {"cache_salt", "speculative"})
+              | {"cache_salt", "speculative", "lora"})
     assert set(Sampling.model_fields) <= engine, set(Sampling.model_fields) - engine
 
 
@@ -84,7 +84,9 @@ def test_the_replica_hands_the_block_to_the_manager_as_is() -> None:
     asyncio.run(run_request(Recording(), Tok(), info, wreq, "local").__anext__())
     fixed = {"request_id": "r", "max_new_tokens": 4, "streaming": True, "eos_token_id": 0, "grammar": None}
     assert calls == [{**fixed, **block.engine_kwargs()}]
-    assert set(block.engine_kwargs()) == set(Sampling.model_fields)  # every field set: none dropped on the way
+    # Every field set (none dropped on the way) but `lora`, which a front sets from the request's
+    # `model` (tests/serving/test_lora_front.py).
+    assert set(block.engine_kwargs()) == set(Sampling.model_fields) - {"lora"}
 
 
 def test_the_manager_protocol_names_what_the_request_path_uses() -> None:
