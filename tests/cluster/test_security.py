@@ -24,6 +24,7 @@ CLIENT_PACKAGES = [PACKAGE / "serving", PACKAGE / "cluster", PACKAGE / "batch"]
 
 COMPLETION = json.dumps({"model": MODEL, "prompt": "the sea", "max_tokens": 2, "temperature": 0}).encode()
 CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+EMBEDDING = json.dumps({"model": MODEL, "input": "the sea"}).encode()
 
 # (method, path, body, status with the right key)
 ROUTES = [
@@ -33,7 +34,7 @@ ROUTES = [
     ("GET", "/version", None, 200),
     ("GET", "/metrics", None, 200),
     ("GET", "/v1/nothing-here", None, 404),
-    ("POST", "/v1/embeddings", COMPLETION, 404),
+    ("POST", "/v1/embeddings", EMBEDDING, 200),
     ("GET", "/openapi.json", None, 404),  # no schema published, even with the key
     ("GET", "/docs", None, 404),
     ("GET", "/v1/completions", None, 405),
