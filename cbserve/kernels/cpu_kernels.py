@@ -147,11 +147,13 @@ def varlen_paged_attention(
 
 
 def layer_ops_isa(isa: str | None = None) -> str:
-    """The fused layer ops' path: `isa` when given, else ``avx2`` on any CPU with AVX2 (the avx512
-    paths included) and ``generic`` elsewhere."""
+    """The fused layer ops' path: `isa` when given, else ``avx512`` on a CPU with AVX-512 (its
+    ``avx512_bf16`` path included: the ops need no BF16 instruction), ``avx2`` on one with AVX2 and
+    ``generic`` elsewhere."""
     if isa:
         return isa
-    return "generic" if cpu_isa.selected() == "generic" else "avx2"
+    selected = cpu_isa.selected()
+    return "avx512" if selected.startswith("avx512") else selected
 
 
 def add_rms_norm_(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,

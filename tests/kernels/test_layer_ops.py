@@ -1,5 +1,5 @@
 """The fused elementwise ops of the lean Llama forward (`csrc/layer_ops_cpu.cpp`) against
-transformers' own modules, on every path this CPU runs (generic, and avx2 where it has AVX2)."""
+transformers' own modules, on every path this CPU runs (generic; avx2 and avx512 where it has them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from cbserve.kernels import cpu_isa, cpu_kernels
 
 PATHS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_isa.cpu_supports(isa), reason=f"no {isa} here"))
-         for isa in ("generic", "avx2")]
+         for isa in ("generic", "avx2", "avx512")]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
