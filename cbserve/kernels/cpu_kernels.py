@@ -176,3 +176,10 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` from ``gate_up`` ``[.., 2I]`` (gate first); returns ``[.., I]``."""
     load()
     return torch.ops.cbserve_cpu.silu_mul(gate_up, layer_ops_isa(isa))
+
+
+def greedy(logits: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``logits`` ``[R, V]`` (float32): its argmax (the first index of the largest
+    value, as torch's) and that token's log-probability; ``(tokens int64 [R], logprobs [R])``."""
+    load()
+    return torch.ops.cbserve_cpu.greedy(logits, layer_ops_isa(isa))

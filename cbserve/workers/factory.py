@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.kernels import attention_backends, packed_linear
+from cbserve.kernels import attention_backends, cpu_kernels, packed_linear
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.ngram import NgramProposer
@@ -104,7 +104,13 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
         sizes.num_blocks, config.page_size, cache.nbytes / 2**20, sizes.max_batch_tokens, sizes.max_requests,
     )
     return EngineParts(shape, sizes, cache, block_manager, host_pool, node_pool, scheduler, attention_backend,
-                       runner, Sampler(shape.vocab_size, config.seed), pack_weights, packed_linears, lora)
+                       runner, Sampler(shape.vocab_size, config.seed, greedy_kernel(device)), pack_weights, packed_linears, lora)
+
+
+def greedy_kernel(device: torch.device) -> bool:
+    """Whether the sampler picks greedy rows with the C++ kernel: on a CPU engine with a vector
+    path (the generic C++ row is slower than torch's ops)."""
+    return device.type == "cpu" and cpu_kernels.layer_ops_isa() != "generic" and not cpu_kernels.unavailable_reason()
 
 
 def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dict:

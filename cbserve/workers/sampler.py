@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from cbserve.kernels import cpu_kernels
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import StepResult
 from cbserve.workers.logits_processors import LogitsProcessing
@@ -76,7 +77,10 @@ class Sampler:
     generators live here, keyed by request id, from its first draw until `forget`, as does the
     logits processors' per-request state."""
 
-    def __init__(self, vocab_size: int, seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, seed: int | None = None, greedy_kernel: bool = False) -> None:
+        # A step of greedy rows only, float32: argmax and log-probability in one C++ pass
+        # (`cpu_kernels.greedy`: 32 x 49,152 logits 1.1 vs 5.7 ms on one thread).
+        self.greedy_kernel = greedy_kernel
         self.generator = torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -123,9 +127,33 @@ class Sampler:
         return self._draw(logits, requests, want_logprobs)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
+        """Greedy rows without top logprobs through the kernel (when on), the others through
+        torch's ops; a row's result never depends on which path its neighbours take."""
+        plain = [i for i, r in enumerate(requests) if r.sampling.greedy and not r.sampling.top_logprobs] \
+            if self.greedy_kernel and logits.dtype == torch.float32 else []
+        if not plain:
+            return self._draw_torch(logits, requests, want_logprobs)
+        tokens, chosen = (t.tolist() for t in cpu_kernels.greedy(logits if len(plain) == len(requests) else logits[plain]))
+        if len(plain) == len(requests):
+            return StepResult(tokens, chosen if want_logprobs else None, None, requests)
+        rest = [i for i in range(len(requests)) if i not in set(plain)]
+        other = self._draw_torch(logits[rest], [requests[i] for i in rest], want_logprobs)
+        result = StepResult([0] * len(requests), [0.0] * len(requests) if want_logprobs else None,
+                            None if other.top_logprobs is None else [[] for _ in requests], requests)
+        for rows, part in ((plain, StepResult(tokens, chosen, None)), (rest, other)):
+            for j, i in enumerate(rows):
+                result.tokens[i] = part.tokens[j]
+                if result.logprobs is not None:
+                    result.logprobs[i] = part.logprobs[j]
+                if part.top_logprobs is not None:
+                    result.top_logprobs[i] = part.top_logprobs[j]
+        return result
+
+    def _draw_torch(self, logits: torch.Tensor, requests: list[Request], want_logprobs: bool) -> StepResult:
         params = [r.sampling for r in requests]
-        tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        k = max(p.top_logprobs for p in params)
+        tokens = logits.argmax(dim=-1)
         processed = logits
         if sampled_rows:
             rows = torch.tensor(sampled_rows)
@@ -140,7 +168,6 @@ class Sampler:
             picks = picks.clamp(max=logits.shape[-1] - 1)
             tokens = tokens.index_put((rows,), picks)
             processed = logits.index_put((rows,), sub)
-        k = max(p.top_logprobs for p in params)
         if not (want_logprobs or k):
             return StepResult(tokens.tolist(), None, None, requests)
         logprobs = processed.log_softmax(dim=-1)

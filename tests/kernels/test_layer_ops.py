@@ -82,6 +82,22 @@ def test_silu_mul_matches_silu_times_up(isa: str, dtype: torch.dtype, rows: int)
     close(cpu_kernels.silu_mul(gate_up, isa), torch.nn.functional.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("vocab", [5, 49_152, 151_937])
+def test_greedy_is_torchs_argmax_with_its_logprob(isa: str, vocab: int) -> None:
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab) * 8
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first index wins
+    logits[2] = -1e30  # every value equal
+    logits[3, vocab // 2] = float("nan")  # NaN is the maximum, as for torch's argmax
+    tokens, logprobs = cpu_kernels.greedy(logits, isa)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    expected = logits.double().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    assert torch.isnan(logprobs[3]) and torch.isnan(expected[3])
+    keep = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(logprobs[keep].double(), expected[keep], rtol=0, atol=1e-6)
+
+
 def test_the_ops_refuse_what_they_do_not_handle() -> None:
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_kernels.silu_mul(torch.randn(2, 8, dtype=torch.float64))
@@ -89,3 +105,5 @@ def test_the_ops_refuse_what_they_do_not_handle() -> None:
         cpu_kernels.silu_mul(torch.randn(2, 8), isa="sse9")
     with pytest.raises(RuntimeError, match="weight"):
         cpu_kernels.add_rms_norm_(None, torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.greedy(torch.randn(2, 8, dtype=torch.bfloat16))

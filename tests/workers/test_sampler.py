@@ -4,9 +4,11 @@ others draw as they would alone. Its output is the `StepResult` the scheduler ta
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cbserve.errors import RequestFault
+from cbserve.kernels import cpu_kernels
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import StepResult
 from cbserve.workers.sampler import Sampler
@@ -73,3 +75,23 @@ def test_a_faulted_row_draws_nothing_and_the_others_draw_as_alone() -> None:
     assert result.requests == [a, b]
     alone = Sampler(VOCAB)(x[[0, 2]], [request("a", top_logprobs=1), request("b")], want_logprobs=True)
     assert (result.tokens, result.logprobs, result.top_logprobs) == (alone.tokens, alone.logprobs, alone.top_logprobs)
+
+
+@pytest.mark.skipif(bool(cpu_kernels.unavailable_reason()), reason="the C++ CPU kernels are unavailable")
+def test_the_greedy_kernel_picks_as_torch_and_steps_aside_for_sampled_rows() -> None:
+    x = logits(4) * 3
+    kernel = Sampler(VOCAB, seed=0, greedy_kernel=True)
+    greedy = kernel(x, [request(str(i)) for i in range(4)], want_logprobs=True)
+    assert greedy.tokens == x.argmax(-1).tolist()
+    expected = x.log_softmax(-1)
+    assert greedy.logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(greedy.tokens)], abs=1e-6)
+    assert kernel(x, [request(str(i)) for i in range(4)], want_logprobs=False).logprobs is None
+    # A step mixing rows: each row as it is drawn alone (the kernel's rows as by the kernel, a
+    # sampled or top-logprobs row as by torch's path), whatever its neighbours.
+    mixed = [request("a"), request("s", do_sample=True, seed=3), request("t", top_logprobs=2), request("b")]
+    both = Sampler(VOCAB, seed=0, greedy_kernel=True)(x, mixed, want_logprobs=True)
+    torch_rows = Sampler(VOCAB, seed=0)(x[[1, 2]], mixed[1:3], want_logprobs=True)
+    kernel_rows = Sampler(VOCAB, seed=0, greedy_kernel=True)(x[[0, 3]], [mixed[0], mixed[3]], want_logprobs=True)
+    assert both.tokens == [kernel_rows.tokens[0], *torch_rows.tokens, kernel_rows.tokens[1]]
+    assert both.logprobs == [kernel_rows.logprobs[0], *torch_rows.logprobs, kernel_rows.logprobs[1]]
+    assert both.top_logprobs == [[], *torch_rows.top_logprobs, []] and both.requests == mixed

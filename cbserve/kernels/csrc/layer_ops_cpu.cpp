@@ -4,7 +4,10 @@
 //
 // - add_rms_norm_: residual += x (in place; x may be absent), returns RMSNorm(residual) * weight;
 // - rope_: rotary embedding in place on the first `heads` heads of each row of a fused QKV output;
-// - silu_mul: silu(gate) * up from a fused [T, 2I] gate/up output.
+// - silu_mul: silu(gate) * up from a fused [T, 2I] gate/up output;
+// - greedy: each logits row's argmax and its log-probability (the sampler's greedy rows), one
+//   pass for the maximum and one for the sum of exponentials (torch's argmax and log_softmax are
+//   not vectorized over rows of a vocabulary on CPU: 5.7 ms for 32 x 49,152 on one thread).
 //
 // Every op rounds where transformers' modules round (the residual sum, the normed value before the
 // weight, each product and sum of the rotary, silu before the product), so bfloat16 results follow
@@ -139,6 +142,24 @@ CB_AVX2 void rope_row_avx2(T* row, const T* cos, const T* sin, int64_t heads, in
 template <typename T>
 void silu_row(const T* gu, T* out, int64_t n) { CB_SILU_ROW }
 
+// One row of greedy: torch's argmax (the first index of the largest value; a NaN is larger than
+// any number) and its log-probability, x[t] - max - log(sum(exp(x - max))) as log_softmax
+// computes it.
+void greedy_row(const float* x, int64_t n, int64_t* token, float* logprob) {
+  int64_t t = 0;
+  for (int64_t i = 1; i < n && x[t] == x[t]; ++i)
+    if (x[i] > x[t] || x[i] != x[i]) t = i;
+  const float m = x[t];
+  if (m != m) {
+    *token = t, *logprob = m;
+    return;
+  }
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) total += exp_poly(x[i] - m);
+  *token = t;
+  *logprob = static_cast<float>(-std::log(total));
+}
+
 #if CB_X86
 // The vector paths of rms_row and silu_row, N values at a time in GCC vector types (avx2: 8,
 // avx512: 16): the compiler does not vectorize the scalar rows itself (it threads exp's clamps
@@ -248,6 +269,52 @@ CB_INLINE void silu_row_vec(const T* gu, T* out, int64_t n) {
   }
 }
 
+// greedy_row in N lanes: each lane keeps its largest value and the first index holding it,
+// then the lanes are folded (the smallest index among equal maxima), so the pick is torch's argmax.
+// Rows holding a NaN are left to the scalar row (NaN is the maximum there, as in torch).
+template <int N>
+CB_INLINE bool greedy_row_vec(const float* x, int64_t n, int64_t* token, float* logprob) {
+  CB_LANES(N)
+  if (n < N) return false;
+  F best = loadv<N>(x), seen_nan = best != best ? F{} + 1.0f : F{};
+  I at{};
+  for (int j = 0; j < N; ++j) at[j] = j;
+  I idx = at;
+  int64_t i = N;
+  for (; i + N <= n; i += N) {
+    const F v = loadv<N>(x + i);
+    const I bigger = v > best;
+    best = bigger ? v : best;
+    idx = bigger ? at + static_cast<int32_t>(i) : idx;
+    seen_nan = v != v ? F{} + 1.0f : seen_nan;
+  }
+  float lane_max[N], any_nan[N];
+  int32_t lane_idx[N];
+  std::memcpy(lane_max, &best, sizeof lane_max);
+  std::memcpy(lane_idx, &idx, sizeof lane_idx);
+  std::memcpy(any_nan, &seen_nan, sizeof any_nan);
+  float m = lane_max[0];
+  int64_t t = lane_idx[0];
+  for (int j = 0; j < N; ++j) {
+    if (any_nan[j] != 0.0f) return false;
+    if (lane_max[j] > m || (lane_max[j] == m && lane_idx[j] < t)) m = lane_max[j], t = lane_idx[j];
+  }
+  for (; i < n; ++i) {
+    if (x[i] != x[i]) return false;
+    if (x[i] > m) m = x[i], t = i;
+  }
+  double total = 0;  // lanes' float sums of 64 vectors at a time, added in double
+  for (i = 0; i + N <= n;) {
+    F sum{};
+    for (int k = 0; k < 64 && i + N <= n; ++k, i += N) sum += exp_polyv<N>(loadv<N>(x + i) - m);
+    for (int j = 0; j < N; ++j) total += sum[j];
+  }
+  for (; i < n; ++i) total += exp_poly(x[i] - m);
+  *token = t;
+  *logprob = static_cast<float>(-std::log(total));  // x[t] - m - log(sum exp(x - m)), x[t] == m
+  return true;
+}
+
 template <typename T>
 CB_AVX2 void rms_row_avx2(const T* x, T* res, const T* w, T* out, int64_t n, float eps) {
   rms_row_vec<T, 8>(x, res, w, out, n, eps);
@@ -260,9 +327,17 @@ template <typename T>
 CB_AVX2 void silu_row_avx2(const T* gu, T* out, int64_t n) { silu_row_vec<T, 8>(gu, out, n); }
 template <typename T>
 CB_AVX512 void silu_row_avx512(const T* gu, T* out, int64_t n) { silu_row_vec<T, 16>(gu, out, n); }
+CB_AVX2 bool greedy_row_avx2(const float* x, int64_t n, int64_t* token, float* logprob) {
+  return greedy_row_vec<8>(x, n, token, logprob);
+}
+CB_AVX512 bool greedy_row_avx512(const float* x, int64_t n, int64_t* token, float* logprob) {
+  return greedy_row_vec<16>(x, n, token, logprob);
+}
 #undef CB_LANES
 #undef CB_INLINE
 #else
+inline bool greedy_row_avx2(const float*, int64_t, int64_t*, float*) { return false; }
+inline bool greedy_row_avx512(const float*, int64_t, int64_t*, float*) { return false; }
 template <typename T>
 void rms_row_avx2(const T* x, T* res, const T* w, T* out, int64_t n, float eps) { rms_row<T>(x, res, w, out, n, eps); }
 template <typename T>
@@ -374,10 +449,37 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) {
   return out;
 }
 
+// logits [R, V] float32 rows: each row's argmax and its log-probability (greedy decoding's pick).
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::string& isa) {
+  const Path path = path_of(isa);
+  check(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+        "logits: [rows, vocab] float32 on the CPU");
+  check(logits.size(1) > 0, "logits: an empty vocabulary");
+  const at::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor logprobs = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* lp = logprobs.data_ptr<float>();
+  // A row per task: one row is ~0.2 MB of logits.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      const bool done = path == Path::kAvx512 ? greedy_row_avx512(row, n, tp + r, lp + r)
+                        : path == Path::kAvx2 ? greedy_row_avx2(row, n, tp + r, lp + r)
+                                              : false;
+      if (!done) greedy_row(row, n, tp + r, lp + r);
+    }
+  });
+  return {tokens, logprobs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("add_rms_norm_(Tensor? x, Tensor(a!) residual, Tensor weight, float eps, str isa) -> Tensor", &add_rms_norm_);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim, str isa) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up, str isa) -> Tensor", &silu_mul);
+  m.def("greedy(Tensor logits, str isa) -> (Tensor, Tensor)", &greedy);
 }
