@@ -9,6 +9,7 @@ import pytest
 
 from cbserve.serving.chat_template import tool_format
 from cbserve.serving.front.chat_replies import ChatRendering
+from cbserve.serving.front.format_stream import stream_parser
 from cbserve.serving.front.replies import ChoiceResult, Piece
 from cbserve.serving.front.tool_calls import auto_parser, split_calls
 
@@ -51,6 +52,34 @@ def test_whole_and_streamed_outputs_give_the_same_calls(fmt: str, output: str, c
             assert text + t == output and not streamed + c, size
 
 
+@pytest.mark.parametrize(("fmt", "output", "content", "calls"), [c for c in CASES if c[0] != "pythonic"] + [
+    ("mistral", "[TOOL_CALLS] " + json.dumps(TIME), None, [TIME]),  # one object, no list
+    ("llama3_json", "  <|python_tag|> " + json.dumps(TIME) + "\n" + json.dumps(WEATHER), None, [TIME, WEATHER]),
+])
+def test_json_formats_stream_each_calls_arguments_as_they_come(fmt: str, output: str, content: str | None,
+                                                               calls: list[dict]) -> None:
+    """Mistral and Llama 3 JSON calls in OpenAI's deltas: id and name first, then the arguments'
+    text in pieces as the output comes; the same calls and content at every chunking."""
+    for size in (1, 4, len(output)):
+        parser, text, deltas = stream_parser(fmt), "", []
+        for i in range(0, len(output), size):
+            t, d = parser.feed_deltas(output[i : i + size])
+            text, deltas = text + t, deltas + d
+        t, d = parser.flush_deltas()
+        text, deltas = text + t, deltas + d
+        got: dict[int, dict] = {}
+        for d in deltas:
+            if d.id is not None:  # a call's first delta: its id and name, no arguments yet
+                assert d.index == len(got) and d.function.name and d.function.arguments == ""
+                got[d.index] = {"name": d.function.name, "arguments": ""}
+            got[d.index]["arguments"] += d.function.arguments or ""
+        assert [{**c, "arguments": json.loads(c["arguments"])} for c in got.values()] == calls, size
+        assert (text.strip() or None) == (content if calls else output), size
+        if calls and size == 1:  # incremental: more argument pieces than calls
+            assert sum(1 for d in deltas if d.id is None) > len(calls)
+        assert _as_dicts(parser.calls) == calls
+
+
 def test_content_that_is_no_call_streams_at_once() -> None:
     for fmt in ("llama3_json", "pythonic", "mistral"):
         parser = auto_parser(fmt)
@@ -71,6 +100,19 @@ def test_the_rendering_takes_the_choice_format() -> None:
     assert chunks[-1]["finish_reason"] == "tool_calls"
     hermes = ChatRendering(tool_mode="auto").choice(0, ChoiceResult(text=output, finish_reason="stop")).model_dump()
     assert hermes["message"]["content"] == output  # the same text is no Hermes call
+
+
+def test_a_mistral_stream_sends_content_then_call_deltas() -> None:
+    output = "Sure.[TOOL_CALLS]" + json.dumps([TIME, WEATHER])
+    stream = ChatRendering(tool_mode="auto").stream(0, tool_format="mistral")
+    chunks = [c.model_dump() for ch in output for c in stream.chunks(Piece(text=ch, token_ids=[1]))]
+    chunks += [c.model_dump() for c in stream.chunks(Piece(finish_reason="stop"))]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Sure."
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls") or []]
+    assert [d["index"] for d in deltas if d.get("id")] == [0, 1] and len(deltas) > 4  # arguments in pieces
+    args = ["".join(d["function"].get("arguments") or "" for d in deltas if d["index"] == i) for i in (0, 1)]
+    assert [json.loads(a) for a in args] == [TIME["arguments"], WEATHER["arguments"]]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
 
 
 def _as_dicts_raw(calls: list[dict]) -> list[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cbserve.serving.front.forced_stream import ForcedCallStream
+from cbserve.serving.front.format_stream import JsonFormatStream, stream_parser
 from cbserve.serving.front.reasoning import ThinkSplitter, split_reasoning
 from cbserve.serving.front.replies import ChoiceResult, Piece, chat_logprobs
 from cbserve.serving.front.schemas import (
@@ -21,7 +22,7 @@ from cbserve.serving.front.schemas import (
     DeltaMessage,
     DeltaToolCall,
 )
-from cbserve.serving.front.tool_calls import HermesStreamParser, delta_calls, split_calls, stream_parser
+from cbserve.serving.front.tool_calls import HermesStreamParser, delta_calls, split_calls
 from cbserve.serving.front.tool_formats import WholeOutputParser
 
 
@@ -49,13 +50,14 @@ class ChatRendering:
 
 @dataclass
 class ChatStream:
-    """One choice's chunks: content as it comes (held while it may be a call); forced and Hermes
-    calls' arguments as they come, other calls whole."""
+    """One choice's chunks: content as it comes (held while it may be a call); calls' arguments as
+    they come (forced, Hermes, Mistral, Llama 3 JSON), pythonic calls whole."""
 
     rendering: ChatRendering
     index: int
     splitter: ThinkSplitter | None = None  # a thinking model's: reasoning out of the text first
-    _parser: ForcedCallStream | HermesStreamParser | WholeOutputParser = field(default_factory=HermesStreamParser)
+    _parser: ForcedCallStream | HermesStreamParser | JsonFormatStream | WholeOutputParser = field(
+        default_factory=HermesStreamParser)
     _calls: int = 0
 
     def chunks(self, p: Piece) -> list[ChatChunkChoice]:

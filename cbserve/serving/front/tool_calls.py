@@ -3,7 +3,8 @@
 - `tool_choice: "auto"`: the model's Hermes-style calls, `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` (what Qwen, Hermes, SmolLM3 and most open chat templates teach), are cut
   out of the text as it streams (`HermesParser`); what is not a well-formed call stays content.
-- other models' formats (Mistral, Llama 3 JSON, pythonic): `tool_formats.py`.
+- other models' formats (Mistral, Llama 3 JSON, pythonic): `tool_formats.py`; streamed:
+  `format_stream.py`.
 - `"required"` and a named function: the output was constrained to the calls' JSON (a list of
   calls, or one call: `constraints.tool_constraint`), parsed when it ends (`forced_calls`) or
   as it streams (`forced_stream.py`).
@@ -223,12 +224,6 @@ class HermesStreamParser(HermesParser):
 def auto_parser(fmt: str = "hermes") -> HermesParser | WholeOutputParser:
     """The parser of `tool_choice: "auto"` for the model's tool-call format."""
     return HermesParser() if fmt == "hermes" else WholeOutputParser(fmt, _call)
-
-
-def stream_parser(fmt: str = "hermes") -> HermesStreamParser | WholeOutputParser:
-    """The streaming parser of `tool_choice: "auto"`: Hermes calls' arguments as they come; other
-    formats' calls whole when the output ends (`tool_formats.py`)."""
-    return HermesStreamParser() if fmt == "hermes" else WholeOutputParser(fmt, _call)
 
 
 def split_calls(text: str, mode: str, fmt: str = "hermes") -> tuple[str | None, list[ToolCall]]:

@@ -7,9 +7,10 @@
   (separated by `;` or new lines), optionally after `<|python_tag|>` (Llama 3.1 / 3.2);
 - `pythonic`: the whole output a Python list of calls, `[get_weather(city="paris"), ...]` (Llama 4).
 
-A call's text is only known to be one when the output ends, so `WholeOutputParser` streams
-content as it comes until the output could be a call, and holds it from there; the calls (or the
-held text, when it is not a call after all) come at the end.
+A whole output is parsed here (`PARSERS`); streamed, Mistral and Llama 3 JSON calls' arguments
+go out as they come (`format_stream.py`), while a pythonic list is only known to be calls when the
+output ends: `WholeOutputParser` streams content as it comes until the output could be a call, and
+holds it from there; the calls (or the held text, when it is not a call after all) come at the end.
 """
 
 from __future__ import annotations
