@@ -202,8 +202,6 @@ class EngineCore:
         prompt = validation.prompt(input_ids, self.shape.vocab_size)
         gc = self.generation_config
         if pooling is not None:  # an embedding: its prompt only
-            if self.parallel is not None:
-                raise InvalidRequestError("pooling", "embeddings are not served with tensor parallelism (tp_size > 1)")
             max_new_tokens = 0
         else:
             if max_new_tokens is None:

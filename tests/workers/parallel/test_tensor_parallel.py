@@ -127,6 +127,33 @@ def test_generate_batch_tp2_equals_tp1() -> None:
     assert model_for("llama").config._attn_implementation == "sdpa"  # the caller's model is untouched
 
 
+def test_embeddings_under_tp2_equal_tp1_beside_generating_requests() -> None:
+    """Embedding requests (issue 31) under tensor parallelism: rank 0 pools the final hidden
+    states its forward already holds whole (the last all-reduce came before the final norm)."""
+    from tests.workers.test_embeddings import reference_embedding
+
+    model, prompts = model_for("llama"), random_prompts(LENGTHS, seed=2)
+    engine = build_engine(model, greedy(MAX_NEW), engine_config(tp_size=2))
+    try:
+        requests = []
+        for i, prompt in enumerate(prompts):
+            requests.append(engine.make_request(prompt, f"emb_{i}", pooling="mean" if i % 2 else "last"))
+            requests.append(engine.make_request(prompt, f"gen_{i}"))
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release_model()
+    for i, (embedding, generating) in enumerate(zip(requests[::2], requests[1::2])):
+        assert embedding.finish_reason == FinishReason.POOLED and generating.status == RequestStatus.FINISHED
+        expected = reference_embedding(model, prompts[i], "mean" if i % 2 else "last")
+        torch.testing.assert_close(torch.tensor(embedding.pooling.embedding, dtype=expected.dtype), expected)
+        tokens, logprobs = tp1("llama", tuple(prompts[i]), MAX_NEW)
+        assert generating.generated == tokens
+        assert generating.logprobs == pytest.approx(logprobs, abs=1e-9)
+
+
 def test_speculative_decoding_under_tp2_equals_tp1() -> None:
     """Proposal rows reach the other rank like any other rows: tp_size=2 with n-gram speculation
     gives tp_size=1's tokens without it, with proposals accepted."""
