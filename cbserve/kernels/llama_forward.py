@@ -83,6 +83,8 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         dtype = next(model.parameters()).dtype
         self.cpp = dtype in (torch.float32, torch.bfloat16) and not cpu_kernels.unavailable_reason()
+        # The fused ops' path, read once (not from the environment at each of a step's ~90 calls).
+        self.isa = cpu_kernels.layer_ops_isa() if self.cpp else None
 
     def __call__(self, kwargs: dict, pooled_rows: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,7 +106,7 @@ class LlamaForward:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); x None: norm(residual)."""
         if self.cpp:
-            return cpu_kernels.add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon), residual
+            return cpu_kernels.add_rms_norm_(x, residual, norm.weight, norm.variance_epsilon, self.isa), residual
         residual = residual if x is None else residual + x
         return norm(residual), residual
 
@@ -119,10 +121,10 @@ class LlamaForward:
             q, k, v = (linear(attn.q_proj, x)[0], linear(attn.k_proj, x)[0], linear(attn.v_proj, x)[0])
         if self.cpp:
             if fused is not None:
-                cpu_kernels.rope_(qkv, *rotary, nh + nkv, d)
+                cpu_kernels.rope_(qkv, *rotary, nh + nkv, d, self.isa)
             else:
-                cpu_kernels.rope_(q, *rotary, nh, d)
-                cpu_kernels.rope_(k, *rotary, nkv, d)
+                cpu_kernels.rope_(q, *rotary, nh, d, self.isa)
+                cpu_kernels.rope_(k, *rotary, nkv, d, self.isa)
             q4, k4 = q.view(1, t, nh, d).transpose(1, 2), k.view(1, t, nkv, d).transpose(1, 2)
         else:
             from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -138,7 +140,7 @@ class LlamaForward:
         if fused is not None:
             gate_up = linear(fused, x)
             if self.cpp:
-                h = cpu_kernels.silu_mul(gate_up)
+                h = cpu_kernels.silu_mul(gate_up, self.isa)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = mlp.act_fn(gate) * up
