@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,9 @@ class Outcome:
     started: float = 0.0
     ended: float = 0.0
     detail: str = ""
+    texts: dict[int, str] = field(default_factory=dict)  # `stream_body`: each choice's text, by index
+    finishes: dict[int, str] = field(default_factory=dict)
+    usage: dict[str, int] | None = None
 
 
 def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:
@@ -257,6 +260,48 @@ def complete(port: int, path: str, prompt: str, max_tokens: int, drop_after: int
     except TimeoutError as exc:
         out.kind, out.detail = "hang", repr(exc)
     except (http.client.HTTPException, OSError, ValueError) as exc:
+        out.kind, out.detail = "reset", repr(exc)
+    finally:
+        out.ended = time.monotonic()
+        conn.close()
+    return out
+
+
+def stream_body(port: int, path: str, prompt: str, max_tokens: int, drop_after: int | None = None,
+                on_event: Callable[[Outcome], None] | None = None, extra: dict[str, Any] | None = None) -> Outcome:
+    """A streaming completion with more body fields (`extra`: n, seed, stop, response_format...),
+    read to the end: each choice's text and finish reason by index, and the usage chunk."""
+    assert drop_after is None
+    out = Outcome(started=time.monotonic())
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out.status, out.replica = resp.status, resp.getheader(REPLICA_HEADER) or ""
+        if resp.status != 200:
+            out.kind, out.detail = "http_error", resp.read()[:300].decode(errors="replace")
+            return out
+        for line in _lines(resp):
+            data = line.removeprefix(b"data: ").strip() if line.startswith(b"data: ") else None
+            if data == b"[DONE]":
+                done = len(out.finishes) == (extra or {}).get("n", 1) and out.usage is not None
+                out.kind = "stream_error" if out.error else "ok" if done else "truncated"
+                return out
+            obj = json.loads(data) if data else {}
+            out.error = obj.get("error", out.error)
+            out.usage = obj.get("usage") or out.usage
+            for choice in obj.get("choices", []):
+                i = choice["index"]
+                out.texts[i] = out.texts.get(i, "") + choice["text"]
+                if choice.get("finish_reason"):
+                    out.finishes[i] = choice["finish_reason"]
+                out.events += 1
+                if on_event is not None:
+                    on_event(out)
+        out.kind = "truncated"
+    except (TimeoutError, http.client.HTTPException, OSError) as exc:
         out.kind, out.detail = "reset", repr(exc)
     finally:
         out.ended = time.monotonic()
@@ -688,6 +733,61 @@ def test_killed_replica_streams_migrate_and_it_is_replaced(cluster: dict[str, An
           f"request {recovery_s:.1f}s after the kill")
     assert recovery_s < 120
     _wait_idle(cluster, "faults", time.monotonic(), replicas=2)
+
+
+# Issue 32's mix: greedy, a JSON schema, n=2 with seeded sampling, seeded sampling with nucleus
+# and penalties, stop strings; each request's body beside the completion fields.
+MIX = [
+    {},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "trip", "schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "days": {"type": "integer"}}, "required": ["city", "days"]}}}},
+    {"n": 2, "temperature": 0.9, "seed": 11},
+    {"temperature": 1.0, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.5},
+    {"stop": ["sea", "ten"], "temperature": 0.7, "seed": 3},
+]
+
+
+def test_a_32_stream_mix_migrates_off_a_killed_replica_unchanged(cluster: dict[str, Any]) -> None:
+    """32 streams over both replicas, every kind of `MIX`, run once undisturbed, then again with
+    the replica serving the most killed mid-generation: every stream completes with each choice's
+    text, finish reason and usage equal to the undisturbed run's (no token lost, repeated or
+    counted twice at the splice)."""
+    import functools
+
+    import ray
+
+    rng = random.Random(32)
+    prompts = _prompts(rng, 32, "mix")
+    jobs = [(p, 48 + 8 * (k % 4), MIX[k % len(MIX)]) for k, p in enumerate(prompts)]
+
+    def run(kill: bool) -> tuple[list[Outcome], dict[str, int]]:
+        load = Load(cluster["http"])
+        for prompt, max_tokens, extra in jobs:
+            load.start("/faults/v1/completions", prompt, max_tokens,
+                       client=functools.partial(stream_body, extra=extra), flowing_after=1)
+        load.wait_flowing()
+        # The replica header names each choice's replica (n=2: two, comma-separated).
+        per_replica = collections.Counter(r for o in load.live if o is not None for r in o.replica.split(",") if r)
+        if kill:
+            victim = per_replica.most_common(1)[0][0]
+            ray.kill(ray.get_actor(_replica_actor("faults", victim), namespace="serve"), no_restart=True)
+        return load.results(timeout=180), per_replica
+
+    undisturbed, _ = run(kill=False)
+    assert all(o.kind == "ok" for o in undisturbed), [o for o in undisturbed if o.kind != "ok"]
+    before = _migrations(cluster["http"], "/faults").get("replica_failed", 0)
+    outs, per_replica = run(kill=True)
+    assert len(per_replica) == 2, per_replica  # streams on both replicas when one was killed
+    for out, calm, job in zip(outs, undisturbed, jobs):
+        assert out.kind == "ok", (job, out)
+        assert (out.texts, out.finishes, out.usage) == (calm.texts, calm.finishes, calm.usage), (job, out, calm)
+    migrated = _migrations(cluster["http"], "/faults").get("replica_failed", 0) - before
+    assert migrated >= 1
+    print(f"\n[faults] 32-stream mix: {migrated} choices migrated off the killed replica, every stream equal "
+          f"to its undisturbed run")
+    deadline = time.monotonic() + 180  # Serve replaces the replica before the next test
+    while _running_replicas(cluster["serve"], "faults") < 2 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    _wait_idle(cluster, "faults", time.monotonic(), replicas=2, timeout=120)
 
 
 def _migrations(port: int, prefix: str) -> dict[str, float]:

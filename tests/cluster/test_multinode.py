@@ -280,17 +280,17 @@ def test_routing_across_nodes_with_two_ingress_and_metrics_from_either(cluster: 
 
 
 def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
-    """Node A dies (its processes killed) while 8 streams run on both workers: the streams of its
+    """Node A dies (its processes killed) while 32 streams run on both workers: the streams of its
     worker replica continue on the other node's (stream migration) and every stream completes."""
     import threading
 
     serve, port, nodes = cluster["serve"], cluster["http"], cluster["nodes"]
     serve.delete("tp")  # frees node C for the replacement replica
     lost = next(r for r, node in _placement(cluster)[WORKER].items() if node == nodes["A"].node_id)
-    started = [threading.Event() for _ in range(8)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    started = [threading.Event() for _ in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
         # Prompts shorter than a routing chunk: two random choices spread them over both workers.
-        futures = [pool.submit(_stream, port, f"go {i}", 400, started[i]) for i in range(8)]
+        futures = [pool.submit(_stream, port, f"go {i}", 160, started[i]) for i in range(32)]
         for event in started:
             assert event.wait(120), "a stream never started"
         t0 = time.monotonic()
