@@ -150,6 +150,7 @@ class Outcome:
     kind: str = "pending"  # ok | error | reset | truncated | hang
     tokens: int = 0
     detail: str = ""
+    text: str = ""
 
 
 def _stream(port: int, prompt: str, max_tokens: int, started: Any) -> Outcome:
@@ -178,6 +179,7 @@ def _stream(port: int, prompt: str, max_tokens: int, started: Any) -> Outcome:
                 out.kind, out.detail = "error", str(event["error"].get("message", ""))[:200]
                 return out
             out.tokens += 1
+            out.text += "".join(c.get("text", "") for c in event.get("choices", []))
             started.set()
             finished = finished or any(c.get("finish_reason") for c in event.get("choices", []))
         out.kind = "truncated"
@@ -281,16 +283,21 @@ def test_routing_across_nodes_with_two_ingress_and_metrics_from_either(cluster: 
 
 def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     """Node A dies (its processes killed) while 32 streams run on both workers: the streams of its
-    worker replica continue on the other node's (stream migration) and every stream completes."""
+    worker replica continue on the other node's (stream migration) and every stream completes with
+    the text it has on the undisturbed cluster."""
     import threading
 
     serve, port, nodes = cluster["serve"], cluster["http"], cluster["nodes"]
     serve.delete("tp")  # frees node C for the replacement replica
     lost = next(r for r, node in _placement(cluster)[WORKER].items() if node == nodes["A"].node_id)
     started = [threading.Event() for _ in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:  # undisturbed first
+        calm = [f.result(timeout=SOCKET_TIMEOUT_S * 3)
+                for f in [pool.submit(_stream, port, f"go {i}", 96, threading.Event()) for i in range(32)]]
+    assert {o.kind for o in calm} == {"ok"}, calm
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         # Prompts shorter than a routing chunk: two random choices spread them over both workers.
-        futures = [pool.submit(_stream, port, f"go {i}", 160, started[i]) for i in range(32)]
+        futures = [pool.submit(_stream, port, f"go {i}", 96, started[i]) for i in range(32)]
         for event in started:
             assert event.wait(120), "a stream never started"
         t0 = time.monotonic()
@@ -302,6 +309,7 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
           f"all ended {ended_s:.1f}s after; errors: {sorted({o.detail[:80] for o in outs if o.detail})}")
     assert any(o.replica == lost for o in outs) and any(o.replica != lost for o in outs), kinds
     assert {kind for _, kind in kinds} == {"ok"}, kinds  # the lost node's streams migrated: all complete
+    assert [o.text for o in outs] == [o.text for o in calm]  # and the splice lost or repeated nothing
     # Counted by the ingress replicas, read through the stats board (which may itself have been on
     # node A and be starting again): wait for the ingress replicas' next pushes. At least one: a
     # stream of the lost replica may have finished (EOS) before the node went.
