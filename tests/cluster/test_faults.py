@@ -693,9 +693,18 @@ def test_killed_replica_streams_migrate_and_it_is_replaced(cluster: dict[str, An
     for k, (prompt, max_tokens) in enumerate(jobs):  # half through the official client
         load.start("/faults/v1/completions", prompt, max_tokens, client=openai_stream if k % 2 else stream)
     load.wait_flowing()
+    # Routing hashes each prompt's first chunk onto the replicas, whose names are new each run: all
+    # 8 may land on one (about 1 run in 128). Then more streams, until the other serves one too.
+    alive = {a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")}
+    for k in range(8):
+        if {o.replica for o in load.live if o is not None} == alive:
+            break
+        jobs.append((f"crash more {k} " + " ".join(rng.sample(WORDS, 6)), 400))
+        reference(jobs[-1:])
+        load.start("/faults/v1/completions", *jobs[-1], client=stream)
+        load.wait_flowing()
 
     # The victim: the replica serving the most streams (both must serve some).
-    alive = {a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")}
     per_replica = collections.Counter(o.replica for o in load.live if o is not None)
     assert len(alive) == 2 and set(per_replica) == alive, (alive, per_replica)
     victim = per_replica.most_common(1)[0][0]
@@ -924,7 +933,7 @@ def test_scale_down_then_shutdown_under_load_account_for_every_request(cluster: 
     serve = cluster["serve"]
     rng = random.Random(4)
     # Short requests finish within the drain; 400-token ones may outlive it (GRACE_S).
-    jobs = [(p, rng.choice([12, 24, 400])) for p in _prompts(rng, 12, "scale")]
+    jobs = [(p, rng.choice([12, 24, 400])) for p in _prompts(rng, 16, "scale")]
     reference(jobs)
     running = len(jobs)
     old = {a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")}

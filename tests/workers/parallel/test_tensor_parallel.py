@@ -130,28 +130,18 @@ def test_generate_batch_tp2_equals_tp1() -> None:
 def test_embeddings_under_tp2_equal_tp1_beside_generating_requests() -> None:
     """Embedding requests (issue 31) under tensor parallelism: rank 0 pools the final hidden
     states its forward already holds whole (the last all-reduce came before the final norm)."""
-    from tests.workers.test_embeddings import reference_embedding
+    from tests.support.exactness import MAX_NEW as GENERATED
+    from tests.workers.test_embeddings import reference_embedding, run_mixed
 
     model, prompts = model_for("llama"), random_prompts(LENGTHS, seed=2)
-    engine = build_engine(model, greedy(MAX_NEW), engine_config(tp_size=2))
-    try:
-        requests = []
-        for i, prompt in enumerate(prompts):
-            requests.append(engine.make_request(prompt, f"emb_{i}", pooling="mean" if i % 2 else "last"))
-            requests.append(engine.make_request(prompt, f"gen_{i}"))
-        for request in requests:
-            engine.add_request(request)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
-    for i, (embedding, generating) in enumerate(zip(requests[::2], requests[1::2])):
-        assert embedding.finish_reason == FinishReason.POOLED and generating.status == RequestStatus.FINISHED
-        expected = reference_embedding(model, prompts[i], "mean" if i % 2 else "last")
+    embeddings, generating, _ = run_mixed(model, engine_config(tp_size=2), "mean", prompts)
+    for prompt, embedding, request in zip(prompts, embeddings, generating):
+        assert embedding.finish_reason == FinishReason.POOLED and request.status == RequestStatus.FINISHED
+        expected = reference_embedding(model, prompt, "mean")
         torch.testing.assert_close(torch.tensor(embedding.pooling.embedding, dtype=expected.dtype), expected)
-        tokens, logprobs = tp1("llama", tuple(prompts[i]), MAX_NEW)
-        assert generating.generated == tokens
-        assert generating.logprobs == pytest.approx(logprobs, abs=1e-9)
+        tokens, logprobs = tp1("llama", tuple(prompt), GENERATED)
+        assert request.generated == tokens
+        assert request.logprobs == pytest.approx(logprobs, abs=1e-9)
 
 
 def test_speculative_decoding_under_tp2_equals_tp1() -> None:
