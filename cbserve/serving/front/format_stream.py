@@ -83,4 +83,3 @@ def stream_parser(fmt: str = "hermes") -> HermesStreamParser | JsonFormatStream 
     if fmt in ("mistral", "llama3_json"):
         return JsonFormatStream(fmt)
     return WholeOutputParser(fmt, _call)
-
