@@ -231,9 +231,11 @@ def test_flood_keeps_engine_bounded_and_answers_correct(cluster: dict[str, Any])
           f"{statistics.median(refusals) * 1000:.0f} ms, max {refusals[-1] * 1000:.0f} ms; accepted median "
           f"{statistics.median(served) * 1000:.0f} ms; engine peak {peak['engine']} requests over "
           f"{peak['samples']} samples")
-    # Refused at the door: far quicker than being served (32 client threads on a loaded 2-core
-    # machine add their own scheduling delay, hence no tighter absolute bound).
-    assert statistics.median(refusals) < 0.5 * statistics.median(served)
+    # Refused at the door, not after queueing: every client starts at once, so a refusal that had
+    # waited for a slot would come after the first accepted request ended. (A ratio to the served
+    # median, 0.5x, failed once at 0.504x on a VM with steal time: 32 client threads on a loaded
+    # 2-core machine add their own scheduling delay, hence no tighter absolute bound.)
+    assert statistics.median(refusals) < min(served)
     assert refusals[-1] < 5.0
     assert peak["samples"] > 0 and peak["engine"] <= MAX_ONGOING and peak["live"] <= MAX_ONGOING
     final = _wait_idle(cluster)
