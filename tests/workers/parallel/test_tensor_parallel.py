@@ -10,6 +10,7 @@ takes seconds longer than the next ones.
 
 from __future__ import annotations
 
+import copy
 import functools
 import multiprocessing
 import os
@@ -134,10 +135,13 @@ def test_embeddings_under_tp2_equal_tp1_beside_generating_requests() -> None:
     from tests.workers.test_embeddings import reference_embedding, run_mixed
 
     model, prompts = model_for("llama"), random_prompts(LENGTHS, seed=2)
+    # The reference runs on a copy: transformers' hidden-state capture leaves hooks on the model it
+    # runs, and the shared one must stay picklable for the next tests' rank processes.
+    reference_model = copy.deepcopy(model)
     embeddings, generating, _ = run_mixed(model, engine_config(tp_size=2), "mean", prompts)
     for prompt, embedding, request in zip(prompts, embeddings, generating):
         assert embedding.finish_reason == FinishReason.POOLED and request.status == RequestStatus.FINISHED
-        expected = reference_embedding(model, prompt, "mean")
+        expected = reference_embedding(reference_model, prompt, "mean")
         torch.testing.assert_close(torch.tensor(embedding.pooling.embedding, dtype=expected.dtype), expected)
         tokens, logprobs = tp1("llama", tuple(prompt), GENERATED)
         assert request.generated == tokens
