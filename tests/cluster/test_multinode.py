@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "tiny"
 WORKER = "LLMWorker"
-ENGINE = {"page_size": 8, "num_blocks": 256, "max_batch_tokens": 256}
+ENGINE = {"page_size": 8, "num_blocks": 1024, "max_batch_tokens": 256}  # 32 streams of 160 tokens fit on one worker
 OFFLOAD_GIB, OFFLOAD_B_GIB = 0.02, 0.01
 SOCKET_TIMEOUT_S = 60.0  # no byte for this long: a hang
 
@@ -151,13 +151,14 @@ class Outcome:
     tokens: int = 0
     detail: str = ""
     text: str = ""
+    ended: float = 0.0  # time.monotonic() when the stream ended
 
 
-def _stream(port: int, prompt: str, max_tokens: int, started: Any) -> Outcome:
+def _stream(port: int, prompt: str, max_tokens: int, started: Any, ignore_eos: bool = False) -> Outcome:
     """One streamed completion, read to its end; `started` is set once its first token arrives."""
     out = Outcome()
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
+                       "stream": True, "ignore_eos": ignore_eos}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
     try:
         conn.request("POST", "/spread/v1/completions", body=body, headers={"Content-Type": "application/json"})
@@ -188,6 +189,7 @@ def _stream(port: int, prompt: str, max_tokens: int, started: Any) -> Outcome:
     except (ConnectionError, http.client.HTTPException) as exc:
         out.kind, out.detail = "reset", repr(exc)
     finally:
+        out.ended = time.monotonic()
         started.set()
         conn.close()
     return out
@@ -290,29 +292,38 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     serve, port, nodes = cluster["serve"], cluster["http"], cluster["nodes"]
     serve.delete("tp")  # frees node C for the replacement replica
     lost = next(r for r, node in _placement(cluster)[WORKER].items() if node == nodes["A"].node_id)
-    started = [threading.Event() for _ in range(32)]
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:  # undisturbed first
-        calm = [f.result(timeout=SOCKET_TIMEOUT_S * 3)
-                for f in [pool.submit(_stream, port, f"go {i}", 96, threading.Event()) for i in range(32)]]
+    # Fixed-length streams (no EOS), long enough that the node goes while they run on a fast machine
+    # too: at up to 96 tokens ending at EOS, a fast CI machine had finished them all before the kill.
+    length = 160
+
+    def streams(kill_node_a: bool) -> tuple[list[Outcome], float]:
+        """32 streams; with `kill_node_a`, node A goes once every stream has its first token (at the
+        returned time)."""
+        started = [threading.Event() for _ in range(32)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            # Prompts shorter than a routing chunk: two random choices spread them over both workers.
+            futures = [pool.submit(_stream, port, f"go {i}", length, started[i], True) for i in range(32)]
+            for event in started:
+                assert event.wait(120), "a stream never started"
+            t0 = time.monotonic()
+            if kill_node_a:
+                cluster["cluster"].remove_node(nodes["A"], allow_graceful=False)
+            return [f.result(timeout=SOCKET_TIMEOUT_S * 3) for f in futures], t0
+
+    calm, _ = streams(kill_node_a=False)  # undisturbed first
     assert {o.kind for o in calm} == {"ok"}, calm
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        # Prompts shorter than a routing chunk: two random choices spread them over both workers.
-        futures = [pool.submit(_stream, port, f"go {i}", 96, started[i]) for i in range(32)]
-        for event in started:
-            assert event.wait(120), "a stream never started"
-        t0 = time.monotonic()
-        cluster["cluster"].remove_node(nodes["A"], allow_graceful=False)
-        outs = [f.result(timeout=SOCKET_TIMEOUT_S * 3) for f in futures]
-    ended_s = time.monotonic() - t0
+    outs, t0 = streams(kill_node_a=True)
     kinds = {(o.replica == lost, o.kind) for o in outs}
     print(f"\n[multinode] node removed: {[(o.replica == lost, o.kind, o.tokens) for o in outs]}; "
-          f"all ended {ended_s:.1f}s after; errors: {sorted({o.detail[:80] for o in outs if o.detail})}")
+          f"all ended {max(o.ended for o in outs) - t0:.1f}s after; "
+          f"errors: {sorted({o.detail[:80] for o in outs if o.detail})}")
     assert any(o.replica == lost for o in outs) and any(o.replica != lost for o in outs), kinds
+    assert any(o.replica == lost and o.ended > t0 for o in outs), "the node went after its streams ended"
     assert {kind for _, kind in kinds} == {"ok"}, kinds  # the lost node's streams migrated: all complete
     assert [o.text for o in outs] == [o.text for o in calm]  # and the splice lost or repeated nothing
     # Counted by the ingress replicas, read through the stats board (which may itself have been on
-    # node A and be starting again): wait for the ingress replicas' next pushes. At least one: a
-    # stream of the lost replica may have finished (EOS) before the node went.
+    # node A and be starting again): wait for the ingress replicas' next pushes. At least one: a stream
+    # of the lost replica may have been generated whole, and be still in the ingress, when the node went.
     _wait(lambda: sum(v for _, v in _metrics(port).get("cbserve:migrations_total", [])) >= 1, 60,
           "cbserve:migrations_total to count the migrated streams")
 
