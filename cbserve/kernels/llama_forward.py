@@ -11,7 +11,8 @@ counts of decode steps on a CPU each costs more in dispatch than in arithmetic. 
 
 Other dtypes (float64 in the exactness tests) or a CPU without the C++ kernels: the same steps with
 transformers' own norm, rotary and activation functions. Only plain `LlamaForCausalLM`s on a CPU
-(exact module types, SiLU, no hooks: tensor parallelism's all-reduce hooks keep their forward);
+(exact module types, SiLU, no hooks but transformers' inactive output-capture ones: tensor
+parallelism's all-reduce hooks keep their forward);
 anything else keeps transformers' forward. `$CBSERVE_LEAN_FORWARD=0` turns it off (A/B benchmarks).
 """
 
@@ -26,6 +27,7 @@ from cbserve.kernels import cpu_kernels, paged_attention
 ENV = "CBSERVE_LEAN_FORWARD"
 QKV, GATE_UP = "cb_qkv_proj", "cb_gate_up_proj"
 FUSED = {QKV: ("q_proj", "k_proj", "v_proj"), GATE_UP: ("gate_proj", "up_proj")}
+CAPTURE_HOOKS_MODULE = "transformers.utils.output_capturing"
 
 
 def unsupported_reason(model: torch.nn.Module) -> str:
@@ -44,9 +46,17 @@ def unsupported_reason(model: torch.nn.Module) -> str:
     for layer in model.model.layers:
         if (type(layer), type(layer.self_attn), type(layer.mlp), type(layer.input_layernorm)) != expected:
             return "a decoder layer is not transformers' Llama layer"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if any(_foreign_hooks(m) for m in model.modules()):
         return "a module of the model has forward hooks"
     return ""
+
+
+def _foreign_hooks(module: torch.nn.Module) -> bool:
+    """Forward hooks other than transformers' output capture, which a model keeps once it has been
+    run with `output_hidden_states` / `output_attentions` and which record nothing outside such a
+    call (the lean forward makes none)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return any(getattr(h, "__module__", None) != CAPTURE_HOOKS_MODULE for h in hooks)
 
 
 def fused_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple[str, ...]]]:

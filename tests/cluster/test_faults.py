@@ -183,18 +183,23 @@ def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:
         yield from lines
 
 
+def _post(conn: http.client.HTTPConnection, path: str, body: dict[str, Any], out: Outcome) -> http.client.HTTPResponse:
+    """POST `body` as JSON; the reply's status and replica header go to `out`."""
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out.status, out.replica = resp.status, resp.getheader(REPLICA_HEADER) or ""
+    return resp
+
+
 def stream(port: int, path: str, prompt: str, max_tokens: int, drop_after: int | None = None,
            on_event: Callable[[Outcome], None] | None = None) -> Outcome:
     """POST a streaming completion and read it to the end (or hang up after `drop_after`
     chunks). Never raises: every way it can end is an `Outcome.kind`."""
     out = Outcome(started=time.monotonic())
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out.status, out.replica = resp.status, resp.getheader(REPLICA_HEADER) or ""
+        resp = _post(conn, path, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                  "stream": True}, out)
         if resp.status != 200:
             raw = resp.read()
             out.kind = "http_error"
@@ -273,13 +278,10 @@ def stream_body(port: int, path: str, prompt: str, max_tokens: int, drop_after: 
     read to the end: each choice's text and finish reason by index, and the usage chunk."""
     assert drop_after is None
     out = Outcome(started=time.monotonic())
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out.status, out.replica = resp.status, resp.getheader(REPLICA_HEADER) or ""
+        resp = _post(conn, path, {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                  "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}, out)
         if resp.status != 200:
             out.kind, out.detail = "http_error", resp.read()[:300].decode(errors="replace")
             return out

@@ -6,8 +6,6 @@ preemptions, through the manager."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -124,17 +122,3 @@ def test_beside_speculative_decoding() -> None:
                                    reference_embedding(model, prompt, "last"), rtol=0, atol=1e-10)
     assert_matches_reference(gens, [reference_generate(model, p, MAX_NEW) for p in prompts])
     assert engine.scheduler.num_drafts > 0  # the generating requests speculated
-
-
-def test_refused_under_tensor_parallelism() -> None:
-    """Untested there (rank 0's hidden states under sharding): refused, naming the field."""
-    engine = build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4),
-                          cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=16))
-    try:
-        engine.parallel = SimpleNamespace(check_health=lambda: None)  # a group that is healthy
-        with pytest.raises(InvalidRequestError) as err:
-            engine.make_request([5, 6], "emb", pooling="mean")
-        assert err.value.field == "pooling" and "tensor parallelism" in str(err.value)
-    finally:
-        engine.parallel = None
-        engine.release_model()

@@ -4,6 +4,8 @@ the model's own projections, transformers' functions), and that a broken op is c
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -75,11 +77,14 @@ def test_other_models_keep_transformers_forward(arch: str) -> None:
 
 
 def test_compiled_hooked_or_switched_off_llamas_keep_transformers_forward(monkeypatch) -> None:
-    model = tiny_model("llama", dtype=torch.float32)
+    model = copy.deepcopy(tiny_model("llama", dtype=torch.float32))  # the shared one stays without hooks
     assert llama_forward.unsupported_reason(model) == ""
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *args: None)
     assert "hooks" in llama_forward.unsupported_reason(model)
     handle.remove()
+    with torch.no_grad():  # leaves transformers' output-capture hooks on the model: inactive, no obstacle
+        model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules()) and llama_forward.unsupported_reason(model) == ""
     monkeypatch.setenv(llama_forward.ENV, "0")
     assert llama_forward.unsupported_reason(model) and llama_forward.fused_groups(model) == []
     monkeypatch.delenv(llama_forward.ENV)
