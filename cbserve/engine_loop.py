@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cbserve.kernels import openmp
 from cbserve.output_store import OutputStore
 from cbserve.outputs import FinishReason, RequestStatus, TokenClock
 from cbserve.scheduler.request import Request
@@ -129,6 +130,7 @@ class EngineLoop:
                 self._enter(LoopState.RUNNING)
             self.error = self.engine_fault = None
             self.failed_steps = 0
+            openmp.release_thread_team()  # the engine thread's OpenMP team is then the only one
             self._thread = threading.Thread(target=self._loop, name="cbserve-batching-loop", daemon=True)
             self._thread.start()
 

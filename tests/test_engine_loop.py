@@ -310,3 +310,14 @@ def test_a_pause_parks_between_steps_without_changing_the_state(loop: RecordingL
     loop.cancel("long")
     assert final(loop, "long").status == RequestStatus.CANCELLED
     assert engine.holds_model and loop.moves == [S.RUNNING]
+
+
+def test_start_hands_back_the_calling_threads_openmp_team_first(loop: RecordingLoop, monkeypatch) -> None:
+    """Before the engine thread exists (kernels/openmp.py: one team per process, the engine's)."""
+    from cbserve.kernels import openmp
+
+    calls: list[tuple[threading.Thread, bool]] = []
+    monkeypatch.setattr(openmp, "release_thread_team",
+                        lambda: calls.append((threading.current_thread(), loop.is_running())) or True)
+    loop.start()
+    assert calls == [(threading.current_thread(), False)]
