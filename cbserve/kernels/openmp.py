@@ -50,8 +50,11 @@ def _libgomp() -> ctypes.CDLL | None:
 
 def release_thread_team() -> bool:
     """Free the calling thread's OpenMP worker threads; True when freed (or it had none)."""
+    switch = os.environ.get(ENV, "1").strip()
+    if switch not in ("0", "1"):
+        raise ValueError(f"${ENV} must be 0 (keep the team) or 1 (release it), got {switch!r}")
     lib = _libgomp()
-    if lib is None or os.environ.get(ENV, "1").strip() == "0":
+    if lib is None or switch == "0":
         return False
     freed = lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
     if not freed:  # -1: inside a parallel region, or the team is busy

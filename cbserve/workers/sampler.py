@@ -133,8 +133,9 @@ class Sampler:
             if self.greedy_kernel and logits.dtype == torch.float32 else []
         if not plain:
             return self._draw_torch(logits, requests, want_logprobs)
-        tokens, chosen = (t.tolist() for t in cpu_kernels.greedy(logits if len(plain) == len(requests) else logits[plain]))
-        if len(plain) == len(requests):
+        whole = len(plain) == len(requests)
+        tokens, chosen = (t.tolist() for t in cpu_kernels.greedy(logits if whole else logits[plain]))
+        if whole:
             return StepResult(tokens, chosen if want_logprobs else None, None, requests)
         taken = set(plain)
         rest = [i for i in range(len(requests)) if i not in taken]

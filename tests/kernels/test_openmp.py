@@ -45,3 +45,9 @@ def test_the_calling_threads_team_is_freed() -> None:
 def test_switched_off_the_team_stays() -> None:
     before, with_team, freed, after = _run({openmp.ENV: "0"})
     assert freed == "False" and int(after) == int(with_team) == int(before) + 1
+
+
+def test_an_unknown_switch_value_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(openmp.ENV, "false")
+    with pytest.raises(ValueError, match=openmp.ENV):
+        openmp.release_thread_team()
