@@ -471,7 +471,7 @@ def test_ray_job_submit_succeeds(ray_head: RayHead, model_dir: Path, lines: Line
     job = [sys.executable, "-m", "cbserve.batch", "--input", str(inp), "--output", str(out),
            "--model", str(model_dir), "--engine", json.dumps(ENGINE), "--max-tokens", str(DEFAULT_MAX_TOKENS),
            "--temperature", "0", "--no-progress", "--log-every", "10"]  # fmt: skip
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a cold clean clone's agent took over 120 s once
     while True:  # the head answers `ray job list` before its job agent has registered
         submit = _run([_ray_cli(), "job", "submit", "--address", ray_head.address, "--submission-id", job_id,
                        "--working-dir", str(REPO), "--", *job], ray_head.env, 300)  # fmt: skip
