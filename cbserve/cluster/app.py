@@ -151,7 +151,7 @@ def build_app(args: dict[str, Any] | ClusterArgs | None = None) -> Application:
     board = serve.deployment(StatsBoard).options(
         name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
         logging_config={"enable_access_log": False},  # replicas report every stats period
-    ).bind()
+    ).bind(adapters=cfg.lora_modules)
     logger.info("cbserve app: model %s, tp_size %d, worker %s, %g CPUs per rank, ingress %s", cfg.model_name,
                 cfg.tp_size, cfg.worker.autoscaling or f"{cfg.worker.num_replicas} replica(s)", cfg.worker.num_cpus,
                 "in the worker" if cfg.ingress_in_worker else "own deployment")

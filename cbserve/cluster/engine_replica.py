@@ -23,6 +23,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cbserve.cluster.adapters import ReplicaAdapters
 from cbserve.cluster.autoscaling import KV_USAGE, RUNNING, WAITING
 from cbserve.cluster.offload import offload_settings
 from cbserve.cluster.settings import ClusterArgs, cpus_per_rank, torch_threads, with_cpus
@@ -122,8 +123,9 @@ class EngineReplica:
             generation_config=manager_generation_config(model, eos),
             continuous_batching_config=engine,
         )
-        for name, path in self.args.lora_modules.items():  # every replica holds every declared adapter
-            self.manager.load_lora(name, path)
+        self.adapters = ReplicaAdapters(self.manager, self.args.host_loras)
+        for name, path in self.args.lora_modules.items():  # held by every replica from the start
+            self.adapters.adopt(name, path)
         self.manager.start()
         self.info = ModelInfo(
             eos_token_id=eos,
@@ -138,6 +140,16 @@ class EngineReplica:
         if self.stopping:
             yield error_event(503, STOPPING)
             return
+        lora = req.sampling.lora
+        if lora is not None:
+            try:
+                await self.adapters.acquire(lora, req.lora_path)
+            except InvalidRequestError as exc:
+                yield error_event(400, exc.message, exc.field)
+                return
+            except APIError as exc:
+                yield error_event(exc.status, exc.message)
+                return
         interval_s = self.args.worker.stream_interval_ms / 1000
         self._streams.add(req.request_id)
         try:
@@ -145,6 +157,18 @@ class EngineReplica:
                 yield ev
         finally:
             self._streams.discard(req.request_id)
+            if lora is not None:
+                self.adapters.release(lora)
+
+    async def check_adapter(self, path: str) -> dict[str, Any]:
+        """`POST /v1/load_lora_adapter` reaching one replica: the folder is read here, and let go
+        (the replica the router picks for the adapter's first request loads it). A refusal comes
+        back as {"error": {field, message}}."""
+        try:
+            await self.adapters.check(path)
+        except InvalidRequestError as exc:
+            return {"error": {"field": exc.field, "message": exc.message}}
+        return {"replica": self.replica}
 
     def end_streams(self) -> int:
         """The server is stopping (Ctrl-C on `cluster/run.py`): end every stream now, each with an
@@ -189,7 +213,7 @@ class EngineReplica:
         return self.replica
 
     def stats(self) -> dict[str, Any]:
-        return {**self.manager.stats(), "replica": self.replica}
+        return {**self.manager.stats(), **self.adapters.stats(), "replica": self.replica}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics, averaged by its controller for
@@ -201,16 +225,22 @@ class EngineReplica:
         """Polled by Serve's controller; also pushes the full stats to the stats board."""
         s = self.stats()
         if self._board is not None:
-            stopping = self._board.report.remote(self.replica, s)
-            asyncio.ensure_future(self._end_streams_if(stopping))
-        return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s)}
+            reply = self._board.report.remote(self.replica, s)
+            asyncio.ensure_future(self._follow_board(reply))
+        return {"running": s.get("running", 0), "waiting": s.get("waiting", 0), "kv_usage": kv_usage(s),
+                "loras": self.adapters.names(), "lora_room": self.adapters.room()}
 
-    async def _end_streams_if(self, stopping: Any) -> None:
+    async def _follow_board(self, reply: Any) -> None:
+        """The board's answer to a report: end the streams when the server is stopping; let go of
+        the adapters clients can no longer name."""
         try:
-            if await asyncio.wait_for(stopping, timeout=10):
-                self.end_streams()
+            answer = await asyncio.wait_for(reply, timeout=10)
         except Exception as exc:  # noqa: BLE001 - the board is advisory; the next report asks again
             logger.debug("stats board report failed: %r", exc)
+            return
+        if answer["stopping"]:
+            self.end_streams()
+        self.adapters.retain(answer["adapters"])
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its manager is stopped, its batching loop

@@ -1,7 +1,8 @@
 """The ingress deployment: the OpenAI HTTP API (FastAPI) and the gRPC `Generate` call.
 
 HTTP: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`, `POST /v1/embeddings`,
-`GET /v1/models`, `GET /health`,
+`GET /v1/models`, `GET /health`, vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`
+(with `lora_runtime_updates`),
 `GET /metrics`, `GET /version`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Every
 refusal is a JSON error in OpenAI's shape. gRPC: `Generate` of
 `cbserve/serving/protos/generate.proto`, reached through Serve's gRPC proxy, which calls the
@@ -31,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cbserve.cluster.adapters import AdapterCatalog
 from cbserve.cluster.metrics_relay import MetricsRelay, this_replica
 from cbserve.cluster.migration import MigratingChoice, cancel_quietly
 from cbserve.cluster.ray_compat import backpressure, serve_http_host, serve_request_id
@@ -45,7 +47,14 @@ from cbserve.serving.front.metrics import ServingMetrics
 from cbserve.serving.front.openai_service import OpenAIService, Reply
 from cbserve.serving.front.replies import ChoiceStream
 from cbserve.serving.front.responses import ResponsesRequest
-from cbserve.serving.front.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from cbserve.serving.front.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoraAdapterRequest,
+)
 from cbserve.serving.front.worker_requests import bind_call_tenant, key_tenant, with_call_tenant
 from cbserve.serving.protocol import WorkerRequest
 
@@ -132,7 +141,9 @@ class OpenAIIngress:
         self.metrics = ServingMetrics(self.args.model_name)
         self._relay = MetricsRelay(self.metrics, board, this_replica(), self.args.routing.stats_period_s)
         self._relay.start()  # every ingress replica's series on /metrics, whichever answers
-        self.service = OpenAIService(self.args, self._open_choice, self.metrics)
+        self.adapters = AdapterCatalog(self.args.lora_modules, board, self.args.routing.stats_period_s)
+        self.adapters.start()
+        self.service = OpenAIService(self.args, self._open_choice, self.metrics, self.adapters)
         if not self._api_keys:
             self._warn_if_exposed()
 
@@ -148,14 +159,17 @@ class OpenAIIngress:
 
     async def _open_choice(self, wreq: WorkerRequest) -> ChoiceStream:
         wreq = with_call_tenant(wreq)  # the API key's tenant, never the client's `user`
+        lora = wreq.sampling.lora
+        if lora is not None:  # its folder, for a replica that does not hold it yet
+            wreq = wreq.model_copy(update={"lora_path": self.adapters.get(lora)})
         first, gen = await self._open_on_a_replica(wreq)
         if first.kind == "error":
             raise refusal(first, self.args.worker.overload_status_code, self.args.worker.retry_after_s)
         if self.args.migration.max_attempts == 0 or not wreq.migrate:
-            return ChoiceStream(start=first, events=gen, cancel=gen.cancel)
+            return ChoiceStream(start=first, events=gen, cancel=gen.cancel, lora=lora)
         choice = MigratingChoice(wreq, first, gen, self._open_on_a_replica, self.args.migration.max_attempts,
                                  self.metrics.on_migration)
-        return ChoiceStream(start=first, events=choice.events(), cancel=choice.cancel)
+        return ChoiceStream(start=first, events=choice.events(), cancel=choice.cancel, lora=lora)
 
     async def _open_on_a_replica(self, wreq: WorkerRequest) -> tuple[Any, Any]:
         """A worker replica's first event for `wreq` and the generator of the rest; raises the
@@ -239,6 +253,7 @@ class OpenAIIngress:
             self._check_auth(request)
             check_control_headers(request.headers)
             req = parse_request(await self._read_body(request), schema)
+            await self.adapters.knows(getattr(req, "model", None))
             # Serve's proxy echoes X-Request-Id (its own id when the client sent none).
             reply: Reply = await run(req, arrival, request.headers.get("x-request-id"))
         except APIError as exc:
@@ -319,7 +334,7 @@ class OpenAIIngress:
         max_len = await self._max_model_len()
         card = ModelCard(id=self.args.model_name, root=self.args.model or self.args.model_name, max_model_len=max_len)
         adapters = [ModelCard(id=name, root=path, parent=self.args.model_name, max_model_len=max_len)
-                    for name, path in self.args.lora_modules.items()]
+                    for name, path in sorted(self.adapters.items())]
         return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
     async def _max_model_len(self) -> int | None:
@@ -331,6 +346,57 @@ class OpenAIIngress:
             except Exception as exc:  # noqa: BLE001 - the card is still valid without it
                 logger.warning("/v1/models without max_model_len: no replica answered (%r)", exc)
         return self._model_len
+
+    async def _adapter_update(self, request: Request, schema: type, update: Any) -> Response:
+        """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`: vLLM's bodies and plain-text answers."""
+        try:
+            self._check_auth(request)
+            check_control_headers(request.headers)
+            if not self.args.lora_runtime_updates:
+                raise APIError(404, f"{request.url.path}: loading and unloading LoRA adapters at run time is off "
+                               "(the app's args: lora_runtime_updates: true)", code="not_found")
+            return Response(await update(parse_request(await self._read_body(request), schema)),
+                            media_type="text/plain")
+        except APIError as exc:
+            return self._error(exc)
+        except ClientDisconnect:
+            return self._client_left(request)
+        except Exception:  # noqa: BLE001 - answered with a request id, logged with the traceback
+            return self._unexpected(request)
+
+    async def _load_adapter(self, req: LoadLoraAdapterRequest) -> str:
+        name = req.lora_name
+        if name in (self.args.model_name, self.args.model):
+            raise APIError(400, f"lora_name: {name!r} is the base model's name; give the adapter another",
+                           "lora_name")
+        await self.adapters.knows(name)
+        if name in self.adapters and not req.load_inplace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        # A replica reads the folder now (a bad one is refused here); the replicas the router
+        # sends its requests to load it with the first one.
+        try:
+            checked = await self._replicas.check_adapter.remote(req.lora_path)
+        except Exception as exc:  # no replica answered
+            raise _open_error(exc) from exc
+        if "error" in checked:
+            raise openai_error(InvalidRequestError(**checked["error"]), "lora_path")
+        await self.adapters.add(name, req.lora_path, req.load_inplace)
+        logger.info("LoRA adapter %s added from %s", name, req.lora_path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _unload_adapter(self, req: UnloadLoraAdapterRequest) -> str:
+        await self.adapters.knows(req.lora_name)
+        await self.adapters.remove(req.lora_name)  # replicas let go of it at their next stats report
+        logger.info("LoRA adapter %s removed", req.lora_name)
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_update(request, LoadLoraAdapterRequest, self._load_adapter)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_update(request, UnloadLoraAdapterRequest, self._unload_adapter)
 
     @app.get("/version")
     async def version(self, request: Request) -> Response:
@@ -396,6 +462,7 @@ class OpenAIIngress:
         try:
             if not self._authorized(metadata.get("authorization")):
                 raise APIError(401, "Incorrect or missing API key: send metadata `authorization: Bearer <key>`.")
+            await self.adapters.knows(request.model or None)
             wreq = grpc_service.to_worker_request(request, self.service)
             return await self._open_choice(wreq)
         except (APIError, InvalidRequestError) as exc:

@@ -154,6 +154,15 @@ class ClusterArgs(Strict):
         default_factory=dict, description="LoRA adapters every worker replica loads at start (vLLM's --lora-modules): "
         "name clients pass as `model` -> PEFT adapter folder; needs engine.enable_lora"
     )
+    lora_runtime_updates: bool = Field(
+        False, description="true: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING) load and unload adapters while serving; they need the API key"
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters a worker replica keeps in host memory (vLLM's --max-cpu-loras), least "
+        "recently used idle ones unloaded past it; a replica loads an adapter the first time it is sent one of its "
+        "requests; null: engine.max_loras, or the number of lora_modules if more"
+    )
     engine: ContinuousBatchingConfig = Field(
         default_factory=ContinuousBatchingConfig, description="the engine's settings; each replica adds the fields "
         "the cluster owns (CLUSTER_OWNED_ENGINE_FIELDS, `engine_replica.engine_config`)"
@@ -200,8 +209,10 @@ class ClusterArgs(Strict):
     def _check_cluster(self) -> ClusterArgs:
         if self.cpu_offload.node_pool and self.tp_size > 1:
             raise ValueError(f"cpu_offload.node_pool works with tp_size 1 only, got tp_size {self.tp_size}")
-        if self.lora_modules and not self.engine.enable_lora:
-            raise ValueError("lora_modules needs engine.enable_lora: true")
+        for field, used in (("lora_modules", bool(self.lora_modules)),
+                            ("lora_runtime_updates", self.lora_runtime_updates)):
+            if used and not self.engine.enable_lora:
+                raise ValueError(f"{field} needs engine.enable_lora: true")
         clash = {self.model_name, self.model} & self.lora_modules.keys()
         if clash:
             raise ValueError(f"lora_modules: {min(clash)!r} is the base model's name; give the adapter another")
@@ -214,6 +225,11 @@ class ClusterArgs(Strict):
         w = self.worker
         most = int(w.autoscaling.get("max_replicas", 1)) if w.autoscaling else w.num_replicas
         return most == 1 and self.ingress_replicas == 1
+
+    @property
+    def host_loras(self) -> int:
+        """Adapters a worker replica keeps in host memory (`max_cpu_loras`)."""
+        return self.max_cpu_loras or max(self.engine.max_loras, len(self.lora_modules))
 
     @property
     def model_name(self) -> str:

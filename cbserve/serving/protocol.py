@@ -100,6 +100,8 @@ class WorkerRequest(BaseModel):
                                       "this choice left (tried last)")
     pooling: Literal["mean", "last"] | None = Field(None, description="set: an embedding (the `end` event carries "
                                                     "it); nothing is generated")
+    lora_path: str | None = Field(None, description="the folder of `sampling.lora`, from the ingress's adapter "
+                                  "catalog: the replica loads it if it does not hold it yet")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> WorkerRequest:

@@ -226,3 +226,93 @@ def test_router_balances_a_shared_prefix_workload(replicas: int) -> None:
         assert hits >= 0.9 * 300
 
     asyncio.run(scenario())
+
+
+# ---- LoRA adapters: a request goes where its adapter is held ------------------------------------
+
+
+def _adapter_request(lora: str | None, text: str = "hi") -> FakePending:
+    from cbserve.serving.protocol import Sampling
+
+    return FakePending([WorkerRequest(request_id="r", prompt=text, prefix_hashes=prefix_hashes(text, 16, 8),
+                                      sampling=Sampling(lora=lora))])
+
+
+def test_router_sends_an_adapter_to_a_replica_that_holds_it_within_the_bound() -> None:
+    async def scenario() -> None:
+        router = _router(imbalance_threshold=2, seed=4, adapter_load_factor=1.25)
+        a, b, c = _replicas(["a", "b", "c"])
+        b.routing_stats = {"loras": ["sql"]}
+        a.queue_len = c.queue_len = 0
+        b.queue_len = 3  # 3 < ceil(1.25 x 4 / 3) + 2 = 4: still b
+        assert (await router.choose_replicas([a, b, c], _adapter_request("sql")))[0] == [b]
+        b.queue_len = 5  # at the bound, ceil(1.25 x 6 / 3) + 2 = 5: the least loaded replica, which loads it
+        spilled = (await router.choose_replicas([a, b, c], _adapter_request("sql")))[0][0]
+        assert spilled in (a, c) and router.num_adapter_spreads == 1 and router.num_adapter_routes == 1
+        # The replica it went to holds it from now on, before its routing stats say so.
+        b.queue_len = 6
+        spilled.queue_len = 2
+        assert (await router.choose_replicas([a, b, c], _adapter_request("sql")))[0] == [spilled]
+        # An adapter nobody holds: the least loaded replica; then it sticks there.
+        first = (await router.choose_replicas([a, b, c], _adapter_request("chat")))[0][0]
+        assert first.queue_len == min(r.queue_len for r in (a, b, c))
+        first.queue_len += 1
+        assert (await router.choose_replicas([a, b, c], _adapter_request("chat")))[0] == [first]
+        # The least loaded replica with room for another adapter, before a less loaded full one.
+        a.queue_len, b.queue_len, c.queue_len = 0, 1, 2
+        a.routing_stats = {"loras": ["p", "q"], "lora_room": 0}
+        assert (await router.choose_replicas([a, b, c], _adapter_request("new")))[0] == [b]
+        b.routing_stats = c.routing_stats = {"lora_room": 0}
+        assert (await router.choose_replicas([a, b, c], _adapter_request("newer")))[0] == [a]
+        # With a prefix key, holders are tried in the prefix's ring order (the same in every router).
+        a.queue_len = b.queue_len = c.queue_len = 0
+        for r in (a, b, c):
+            r.routing_stats = {"loras": ["tool"]}
+        text = "a system prompt long enough to have a routing key, and more"
+        others = [_router(imbalance_threshold=2, seed=s) for s in (7, 8)]
+        firsts = [(await r.choose_replicas([a, b, c], _adapter_request("tool", text)))[0] for r in others]
+        assert firsts[0] == firsts[1]
+
+    asyncio.run(scenario())
+
+
+def _adapter_loads(route_by_adapter: bool, requests: int = 600, warm: int = 100) -> float:
+    """Share of requests after `warm` that made their replica load the adapter: 8 adapters chosen
+    at random, 3 replicas each holding at most 4 (least recently used unloaded), 2 ingress routers,
+    ~6 requests in flight per replica, routing stats refreshed every 20 requests. No replica's queue
+    passes the adapters' bounded-load capacity (load factor 2)."""
+    async def scenario() -> float:
+        routers = [_router(imbalance_threshold=2, seed=s) for s in (11, 12)]
+        fakes = _replicas(["x", "y", "z"])
+        held: dict[str, collections.OrderedDict[str, None]] = {r.replica_id.unique_id: collections.OrderedDict()
+                                                                for r in fakes}
+        rng = random.Random(3)
+        loads = 0
+        for i in range(requests):
+            if i % 20 == 0:
+                for r in fakes:
+                    cache = held[r.replica_id.unique_id]
+                    r.routing_stats = {"loras": list(cache), "lora_room": 4 - len(cache)}
+            lora = f"adapter-{rng.randrange(8)}"
+            pending = _adapter_request(lora if route_by_adapter else None)
+            chosen = (await routers[i % 2].choose_replicas(fakes, pending))[0][0]
+            assert chosen.queue_len < capacity(sum(r.queue_len for r in fakes), 3, 2.0, 2)
+            cache = held[chosen.replica_id.unique_id]
+            if lora in cache:
+                cache.move_to_end(lora)
+            else:
+                loads += i >= warm
+                cache[lora] = None
+                if len(cache) > 4:
+                    cache.popitem(last=False)
+            chosen.queue_len += 1
+            if sum(r.queue_len for r in fakes) > 18:
+                rng.choice([r for r in fakes if r.queue_len]).queue_len -= 1
+        return loads / (requests - warm)
+
+    return asyncio.run(scenario())
+
+
+def test_adapter_loads_stay_below_5_percent_once_warm() -> None:
+    assert _adapter_loads(route_by_adapter=True) < 0.05
+    assert _adapter_loads(route_by_adapter=False) > 0.3  # by load alone, replicas keep reloading

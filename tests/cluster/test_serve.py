@@ -244,6 +244,14 @@ def test_bad_requests_get_openai_errors(cluster: dict[str, Any], body: bytes, he
     assert set(err) == {"message", "type", "param", "code"} and needle in err["message"]
 
 
+def test_runtime_adapter_updates_are_off_unless_enabled(cluster: dict[str, Any]) -> None:
+    body = json.dumps({"lora_name": "x", "lora_path": "/tmp"}).encode()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert _raw(cluster, "POST", path, body, {"Content-Type": "application/json"})[0] == 401
+        got, _, raw = _raw(cluster, "POST", path, body, _auth())
+        assert got == 404 and "lora_runtime_updates: true" in json.loads(raw)["error"]["message"]
+
+
 def test_errors_through_the_openai_client_and_server_keeps_serving(cluster: dict[str, Any]) -> None:
     import openai
 

@@ -78,6 +78,20 @@ class WorkerStatsCollector:
         yield counter("cbserve:engine_steps", "Forward steps the engine ran.", lambda s: s.get("steps", 0))
         yield counter("cbserve:engine_busy_seconds", "Wall time the engine spent in its steps (busy share = "
                       "its rate).", lambda s: s.get("busy_seconds", 0.0))
+        yield gauge("cbserve:lora_adapters_held", "LoRA adapters the replica holds in host memory.",
+                    lambda s: s.get("lora_adapters_held", 0))
+        yield counter("cbserve:lora_adapter_unloads", "LoRA adapters the replica unloaded (past max_cpu_loras, "
+                      "or no longer in the catalog).", lambda s: s.get("lora_adapter_unloads", 0))
+        yield counter("cbserve:lora_slot_loads", "LoRA adapters copied into the engine's resident slots.",
+                      lambda s: s.get("lora_slot_loads", 0))
+        yield counter("cbserve:lora_slot_evictions", "Resident LoRA slots taken from an adapter (max_loras).",
+                      lambda s: s.get("lora_evictions", 0))
+        loads = CounterMetricFamily("cbserve:lora_adapter_loads", "LoRA adapters the replica read from their "
+                                    "folder, by adapter.", labels=[*labels, "lora_name"])
+        for replica, s in self.snapshot.items():
+            for name, count in sorted((s.get("lora_adapter_loads") or {}).items()):
+                loads.add_metric([self._model_name, replica, name], float(count))
+        yield loads
         replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
                                      labels=["model_name"])
         replicas.add_metric([self._model_name], float(len(self.snapshot)))
@@ -96,12 +110,15 @@ class ChoiceTimer:
     prefilled and generated; latency and success are recorded only for finished choices.
     """
 
-    def __init__(self, metrics: ServingMetrics, arrival: float, prompt_tokens: int):
+    def __init__(self, metrics: ServingMetrics, arrival: float, prompt_tokens: int, lora: str | None = None):
         self._m = metrics
         self._arrival = arrival
         self._last: float | None = None
         self._unspaced = 0  # tokens of the first delta beyond the first, no gap observed yet
+        self._lora = lora
         metrics.prompt_tokens.labels(metrics.model_name).inc(prompt_tokens)
+        if lora is not None:
+            metrics.lora_requests.labels(metrics.model_name, lora).inc()
 
     def on_tokens(self, n: int) -> None:
         """`n` new tokens arrived in one delta (several when the worker batches a stream's
@@ -121,6 +138,8 @@ class ChoiceTimer:
             self._unspaced = 0
         self._last = now
         m.generation_tokens.labels(name).inc(n)
+        if self._lora is not None:
+            m.lora_generation_tokens.labels(name, self._lora).inc(n)
 
     def on_end(self, finish_reason: str) -> None:
         m, name = self._m, self._m.model_name
@@ -152,14 +171,18 @@ class ServingMetrics:
         self.migration_stall = Histogram("cbserve:migration_stall_seconds", "Time from a choice's loss to its "
                                          "continuation's acceptance by another replica.", lab,
                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.lora_requests = Counter("cbserve:lora_requests", "Choices run with a LoRA adapter, by adapter.",
+                                     ["model_name", "lora_name"], registry=r)
+        self.lora_generation_tokens = Counter("cbserve:lora_generation_tokens", "Tokens generated with a LoRA "
+                                              "adapter, by adapter.", ["model_name", "lora_name"], registry=r)
         self.workers = WorkerStatsCollector(model_name)
 
     def on_migration(self, reason: str, stall_s: float) -> None:
         self.migrations.labels(self.model_name, reason).inc()
         self.migration_stall.labels(self.model_name).observe(stall_s)
 
-    def timer(self, arrival: float, prompt_tokens: int) -> ChoiceTimer:
-        return ChoiceTimer(self, arrival, prompt_tokens)
+    def timer(self, arrival: float, prompt_tokens: int, lora: str | None = None) -> ChoiceTimer:
+        return ChoiceTimer(self, arrival, prompt_tokens, lora)
 
     def export(self) -> list[Any]:
         """This ingress replica's counters and histograms as plain data, for the stats board."""

@@ -13,7 +13,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,23 +152,26 @@ def call_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
 
 
 class OpenAIService:
-    def __init__(self, args: ServiceArgs, open_choice: OpenChoice, metrics: ServingMetrics | None = None):
+    def __init__(self, args: ServiceArgs, open_choice: OpenChoice, metrics: ServingMetrics | None = None,
+                 adapters: Mapping[str, str] | None = None):
         self.args = args
         self._open_choice = open_choice
         self.metrics = metrics
         self.model_name = args.model_name
-        self._names = {args.model_name} | ({args.model} if args.model else set()) | args.lora_modules.keys()
+        self._names = {args.model_name} | ({args.model} if args.model else set())
+        # LoRA adapter name -> folder: `lora_modules`, or the cluster's catalog, which changes at run time.
+        self.adapters = args.lora_modules if adapters is None else adapters
         self.response_store = responses.ResponseStore()
 
     # -- request -> worker requests: the rules only this front has -------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self._names:
+        if model is not None and model not in self._names and model not in self.adapters:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def adapter(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (`lora_modules`); None: the base model."""
-        return model if model in self.args.lora_modules else None
+        """The LoRA adapter a request's `model` names; None: the base model."""
+        return model if model is not None and model in self.adapters and model not in self._names else None
 
     def served_name(self, model: str | None) -> str:
         """The `model` of a reply: the adapter the request named, else the base model's name."""
@@ -271,7 +274,7 @@ class OpenAIService:
         return streams
 
     def _result(self, stream: ChoiceStream, arrival: float) -> ChoiceResult:
-        timer = self.metrics.timer(arrival, stream.start.prompt_tokens) if self.metrics else None
+        timer = self.metrics.timer(arrival, stream.start.prompt_tokens, stream.lora) if self.metrics else None
         result = ChoiceResult(timer=timer)
         result.add(stream.start)
         return result

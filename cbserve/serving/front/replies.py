@@ -37,6 +37,7 @@ class ChoiceStream:
     start: WorkerEvent
     events: AsyncIterator[WorkerEvent]
     cancel: Callable[[], None]
+    lora: str | None = None  # the LoRA adapter it runs with (per-adapter metrics)
 
 
 @dataclass

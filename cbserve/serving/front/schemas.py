@@ -478,6 +478,24 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# An adapter's name as clients pass it in `model`: what a model id looks like ("org/name-v2").
+ADAPTER_NAME = r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}"
+
+
+class LoadLoraAdapterRequest(Strict):
+    """vLLM's body of `POST /v1/load_lora_adapter`."""
+
+    lora_name: str = Field(pattern=f"^{ADAPTER_NAME}$", description="the name clients then pass as `model`")
+    lora_path: str = Field(min_length=1, max_length=4096, description="a PEFT adapter folder on the server")
+    load_inplace: bool = Field(False, description="replace an adapter of that name instead of refusing")
+
+
+class UnloadLoraAdapterRequest(Strict):
+    """vLLM's body of `POST /v1/unload_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
