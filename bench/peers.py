@@ -357,15 +357,16 @@ def run_offline(args: argparse.Namespace, engines: list[str], folder: str, vllm_
 
 
 def start_vllm_server(stack: contextlib.ExitStack, args: argparse.Namespace, folder: str, dtype: str,
-                      env: dict[str, str], log: Path) -> str:
-    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port; SIGINT at the end."""
+                      env: dict[str, str], log: Path, extra: list[str] | None = None) -> str:
+    """`python -m vllm.entrypoints.openai.api_server` on a free loopback port (`extra`: more of its
+    arguments); SIGINT at the end."""
     import load
     import serving
 
     port = load.free_port()
     cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
            "--served-model-name", Path(folder).name, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--seed", str(args.seed), "--uvicorn-log-level", "warning"]
+           "--dtype", dtype, "--seed", str(args.seed), "--uvicorn-log-level", "warning", *(extra or ())]
     out = stack.enter_context(open(log, "wb"))  # noqa: SIM115 - closed by the stack
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
@@ -375,14 +376,18 @@ def start_vllm_server(stack: contextlib.ExitStack, args: argparse.Namespace, fol
     return base
 
 
-def start_cbserve_server(stack: contextlib.ExitStack, args: argparse.Namespace, dtype: str, log: Path) -> str:
-    """`make serve`'s app: ray_config.yaml as shipped but for the dtype (and free ports)."""
+def start_cbserve_server(stack: contextlib.ExitStack, args: argparse.Namespace, dtype: str, log: Path,
+                         overrides: dict[str, Any] | None = None) -> str:
+    """`make serve`'s app: ray_config.yaml as shipped but for the dtype (and free ports); `overrides`:
+    more of the app's args (an `engine` dict is merged into the shipped one)."""
     import serving
     import yaml
 
     config = yaml.safe_load(serving.DEFAULT_CONFIG.read_text())
     app_args = config["applications"][0].setdefault("args", {})
     app_args["dtype"] = dtype
+    for key, value in (overrides or {}).items():
+        app_args[key] = {**app_args.get(key, {}), **value} if key == "engine" else value
     if args.model is not None:
         app_args["model"] = args.model
     base, _ = serving.start_server(stack, config, log, args.start_timeout)

@@ -141,7 +141,11 @@ async def engine_level(manager: Any, eos: Any, prompts: list[list[int]], concurr
 
 
 async def http_level(target: load.Target, prompts: list[list[int]], concurrency: int,
-                     max_tokens: int, timeout: float, ignore_eos: bool = False) -> tuple[list[Record], float]:
+                     max_tokens: int, timeout: float, ignore_eos: bool = False,
+                     models: list[str] | None = None) -> tuple[list[Record], float]:
+    """`models`: each request's `model` (LoRA adapters, bench/lora.py); default the target's."""
+    import dataclasses
+
     import aiohttp
 
     sampling = load.Sampling(endpoint="completions", temperature=0.0, ignore_eos=ignore_eos)
@@ -150,7 +154,8 @@ async def http_level(target: load.Target, prompts: list[list[int]], concurrency:
 
         async def one(i: int) -> Record:
             spec = load.RequestSpec(i, prompts[i], max_tokens)  # type: ignore[arg-type] - token ids
-            res = await load.stream_request(session, target, spec, sampling, timeout)
+            to = target if models is None else dataclasses.replace(target, model=models[i])
+            res = await load.stream_request(session, to, spec, sampling, timeout)
             return Record(start=res.start, end=res.end, chunk_times=res.chunk_times, tokens=res.output_tokens,
                           ok=res.ok)
 

@@ -1,7 +1,8 @@
 """The C++ kernels for CPUs, built on first use: paged attention (`csrc/paged_attention_cpu.cpp`:
 decode rows and packed varlen rows, read straight from the pages), linear layers on
-panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`) and the fused elementwise
-parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`).
+panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`), the fused elementwise
+parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`) and the LoRA
+deltas of rows of different adapters (`csrc/lora_cpu.cpp`; used by `lora.py`).
 
 Each kernel has one path per instruction set (AVX2, AVX-512, AVX-512 BF16; `cpu_isa.py`), each
 compiled with its own target attributes, so the build is the same on every x86-64 machine and the
@@ -34,7 +35,8 @@ from cbserve.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp", "quant_linear_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in (
+    "paged_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp", "quant_linear_cpu.cpp", "lora_cpu.cpp")]
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.
 CFLAGS = ["-O3", "-fopenmp"]
@@ -183,3 +185,12 @@ def greedy(logits: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, 
     value, as torch's) and that token's log-probability; ``(tokens int64 [R], logprobs [R])``."""
     load()
     return torch.ops.cbserve_cpu.greedy(logits, layer_ops_isa(isa))
+
+
+def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, row_slots: torch.Tensor,
+                part_ends: torch.Tensor, rank: int, isa: str | None = None) -> None:
+    """``y`` ``[T, O]`` += each row's LoRA delta through its slot's factors (`row_slots` int64
+    ``[T]``, -1: none): ``a`` ``[P * S * rank, I]``, ``b_t`` ``[S * rank, O]``, the projection's
+    P parts ending at `part_ends` in O (see `csrc/lora_cpu.cpp`)."""
+    load()
+    torch.ops.cbserve_cpu.lora_delta_(y, x, a, b_t, row_slots, part_ends, int(rank), layer_ops_isa(isa))

@@ -1,64 +1,106 @@
-"""LoRA deltas for every row of a packed batch, whatever adapter each row uses, in one computation.
+"""LoRA deltas for every row of a packed batch, whatever adapter each row uses, in one call per
+adapted projection.
 
-Each adapted projection holds the low-rank factors of every resident adapter side by side: slot s
-of `max_loras` owns rows [s * r, (s + 1) * r) of `a` ([max_loras * r, in]) and those columns of
-`b` ([out, max_loras * r], the adapter's scaling folded in), r = `max_lora_rank` (a smaller rank
-is zero-padded). A step's rows each use one slot or none (the base model); `LoraBatch.mask`
-([T, max_loras * r]) holds ones on the row's slot's columns and zeros elsewhere, so
+An adapted projection holds the low-rank factors of every resident adapter side by side: slot s
+of S = `max_loras` owns rows [s * r, (s + 1) * r) of `a` ([S * r, in], PEFT's lora_A) and of `b_t`
+([S * r, out], lora_B transposed, the adapter's scaling folded in), r = `max_lora_rank` (a smaller
+rank is zero-padded). A projection fused from P parts that share their input (q/k/v, gate/up: the
+lean forward's one GEMM, `llama_forward.py`) keeps its parts' factors together: `a` [P * S * r, in]
+(part p's slots from row p * S * r) and `b_t` [S * r, out] whose columns follow the parts' outputs
+(`part_ends`). A step's rows each use one slot or none (the base model): `LoraBatch.rows`.
 
-    y = base(x) + ((x @ a.T) * mask) @ b.T
-
-is every row's own delta (shrink, mask, expand: two GEMMs over all rows and adapters), not one
-pass per adapter. The masked columns are exact zeros, so a row's delta is that of its adapter
-alone. At the ranks LoRA uses (8-64) and a few adapters resident, the shrink is a thin GEMM next to
-the base projection's.
+Two ways to add the deltas, each row's own adapter only:
+- the C++ kernel on CPUs (`csrc/lora_cpu.cpp`): each row shrunk and expanded through its slot's
+  columns alone (a segmented GEMV, as Punica's SGMV), P parts in one pass;
+- elsewhere (a GPU, a dtype the kernel lacks, or `$CBSERVE_LORA_KERNEL=torch`): two GEMMs over all
+  slots' columns with the other slots' columns masked to exact zeros, ((x @ a.T) * mask) @ b_t, whose
+  cost grows with S * r. On CPUs the kernel is what makes 8 adapters cheap (bench/lora.py).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
+KERNEL_ENV = "CBSERVE_LORA_KERNEL"  # "torch": the masked GEMMs even where the C++ kernel runs
+
+
+def cpp_kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether adapted projections on `device` in `dtype` add their deltas with the C++ kernel."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"${KERNEL_ENV} must be auto or torch, got {choice!r}")
+    if choice == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return False
+    from cbserve.kernels import cpu_kernels
+
+    return not cpu_kernels.unavailable_reason()
+
 
 class LoraBatch:
-    """The step's rows as the adapted projections see them: `mask` [T, max_loras * r] (ones on each
-    row's adapter's columns), or None when no row of the step uses an adapter.
+    """The step's rows as the adapted projections see them: `rows` (int64 [T], each row's slot, -1
+    for none), or None when no row of the step uses an adapter.
 
     Per thread: the engine's step sets it in the thread that runs the pass, so a plain forward of
     the model from another thread (the model stays its owner's) gets no delta."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int, rank: int) -> None:
+        self.slots, self.rank = slots, rank
         self._local = threading.local()
 
     def __deepcopy__(self, memo: dict) -> LoraBatch:  # a copy of the model while an engine holds it
-        return LoraBatch()
+        return LoraBatch(self.slots, self.rank)
 
     @property
-    def mask(self) -> torch.Tensor | None:
-        return getattr(self._local, "mask", None)
+    def rows(self) -> torch.Tensor | None:
+        return getattr(self._local, "rows", None)
 
-    @mask.setter
-    def mask(self, value: torch.Tensor | None) -> None:
-        self._local.mask = value
+    @rows.setter
+    def rows(self, value: torch.Tensor | None) -> None:
+        self._local.rows = value
+        self._local.mask = None
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[T, S * r]: ones on each row's slot's columns (the masked GEMMs' form), made once a step."""
+        mask = getattr(self._local, "mask", None)
+        if mask is None:
+            rows = self.rows
+            column_slot = torch.arange(self.slots * self.rank, device=rows.device) // self.rank
+            mask = self._local.mask = (column_slot[None, :] == rows[:, None]).to(dtype)
+        return mask
 
 
 class LoraLinear(torch.nn.Module):
-    """Stands in for one projection while an engine with LoRA runs: the projection (`base`, packed
-    or not) plus each row's adapter delta. `a` and `b` are written in place when an adapter is
-    copied into a slot."""
+    """Stands in for one projection, or one fused group of projections, while an engine with LoRA
+    runs: the projection (`base`, packed or not) plus each row's adapter delta. `a` and `b_t` are
+    the engine's slot storage (written in place when an adapter is copied into a slot)."""
 
-    def __init__(self, base: torch.nn.Linear, width: int, batch: LoraBatch) -> None:
+    def __init__(self, base: torch.nn.Module, a: torch.Tensor, b_t: torch.Tensor, part_ends: list[int],
+                 batch: LoraBatch) -> None:
         super().__init__()
-        self.base = base
-        weight = base.weight
-        self.a = torch.zeros(width, base.in_features, dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(base.out_features, width, dtype=weight.dtype, device=weight.device)
-        self.batch = batch
+        self.base, self.batch = base, batch
+        self.a, self.b_t = a, b_t
+        self.part_ends = part_ends
+        self._ends = torch.tensor(part_ends, dtype=torch.long)
+        self.cpp = cpp_kernel_usable(a.device, a.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        mask = self.batch.mask
-        if mask is None:  # no row uses an adapter (or not the engine's pass): the base projection alone
+        rows = self.batch.rows
+        if rows is None:  # no row uses an adapter (or not the engine's pass): the base projection alone
             return y
-        return y + ((x @ self.a.T) * mask) @ self.b.T
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.cpp:
+            from cbserve.kernels import cpu_kernels
+
+            cpu_kernels.lora_delta_(y2, x2.contiguous(), self.a, self.b_t, rows, self._ends, self.batch.rank)
+            return y
+        width = self.batch.slots * self.batch.rank
+        h = (x2 @ self.a.T).view(x2.shape[0], -1, width) * self.batch.mask(x2.dtype)[:, None, :]
+        begin = 0
+        for part, end in enumerate(self.part_ends):
+            y2[:, begin:end] += h[:, part] @ self.b_t[:, begin:end]
+            begin = end
+        return y

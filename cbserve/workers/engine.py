@@ -153,9 +153,9 @@ class EngineCore:
         or paused manager); `take_model` takes them again, packing the weights afresh."""
         if not self.holds_model:
             return
-        packed_linear.unpack_linears(self.packed_linears)
         if self.lora is not None:
             self.lora.detach()
+        packed_linear.unpack_linears(self.packed_linears)
         self.runner.forward.restore()
         model_sharing.give_back_attention(self.model, self)
         self.holds_model = False
@@ -165,10 +165,10 @@ class EngineCore:
             return
         model_sharing.take_attention(self.model, self)
         self.runner.forward.install()
-        if self.lora is not None:  # around the model's projections, before they are packed
-            self.lora.attach()
         self.packed_linears = (packed_linear.pack_linears(self.model, self.config.batch_invariant)
                                if self._pack_weights else [])
+        if self.lora is not None:  # around what the pass calls: packed, fused q/k/v and gate/up
+            self.lora.attach()
         self.holds_model = True
 
     # -- requests ----------------------------------------------------------------------------

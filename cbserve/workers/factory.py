@@ -91,10 +91,11 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
                                                   config.auto_switch_to_flash, config.batch_invariant)
     runner = build_runner(model, config, cache, attention_backend, sizes, dtype)
     lora = None
-    if config.enable_lora:  # its projections go around the model's, before those are packed
+    if config.enable_lora:  # its slots sized from the model's own projections, before packing
         lora = runner.lora = LoraSlots(model, config.max_loras, config.max_lora_rank)
-        lora.attach()
     packed_linears = packed_linear.pack_linears(model, config.batch_invariant) if pack_weights else []
+    if lora is not None:  # around what the pass calls: packed, fused q/k/v and gate/up
+        lora.attach()
     if parallel is not None:
         runner = parallel.wrap_runner(runner)  # each step's inputs reach the other ranks
         host_pool = parallel.wrap_host_pool(host_pool)  # its transfers reach every rank

@@ -7,18 +7,24 @@ of an adapter unloaded and loaded again under the same name), and the scheduler 
 at most `max_loras` adapters into the running set, so that one step's adapters are always resident
 together. Before each pass, `prepare` makes the step's adapters resident (copying evicted ones
 back from host memory) and sets each row's slot.
+
+The slots' storage is made once per engine (`kernels/lora.py` has its layout): one pair of factor
+tensors per projection, or per group of projections the lean forward fuses into one GEMM (q/k/v,
+gate/up), each projection writing into its own view of them. `attach` wraps what the pass calls:
+a fused group's one module when the weights were packed (fused), else each projection.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cbserve.errors import InvalidRequestError
-from cbserve.kernels import lora
+from cbserve.kernels import llama_forward, lora
 from cbserve.workers import lora_adapter
 from cbserve.workers.lora_adapter import LoraAdapter
 
@@ -33,19 +39,46 @@ def projections(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]
     return found
 
 
+@dataclass
+class Factors:
+    """One projection's slots: views into its (or its fused group's) `a` and `b_t`."""
+
+    a: torch.Tensor  # [max_loras * r, in]
+    b_t: torch.Tensor  # [max_loras * r, out]
+
+
+@dataclass
+class Group:
+    """Projections of one module that share their input and may run as one fused GEMM."""
+
+    parent: torch.nn.Module
+    fused: str | None  # the fused module's attribute (`llama_forward.FUSED`); None: never fused
+    parts: tuple[str, ...]
+    names: tuple[str, ...]  # the parts' model module names
+    a: torch.Tensor  # [len(parts) * max_loras * r, in]
+    b_t: torch.Tensor  # [max_loras * r, sum of the parts' outputs]
+    part_ends: list[int]
+
+
 class LoraSlots:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.batch = lora.LoraBatch()
-        self.places = projections(model)
-        if not self.places:
+        self.batch = lora.LoraBatch(max_loras, max_rank)
+        places = projections(model)
+        if not places:
             raise ValueError(f"enable_lora: {type(model).__name__} has no nn.Linear projections named "
                              f"{', '.join(lora_adapter.PROJECTIONS)} for adapters to adapt")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        width = max_loras * max_rank
-        self.layers = {name: lora.LoraLinear(getattr(parent, attr), width, self.batch)
-                       for name, (parent, attr) in self.places.items()}
+        self.groups = self._groups(model, places)
+        self.factors: dict[str, Factors] = {}
+        for g in self.groups:
+            width, begin = max_loras * max_rank, 0
+            for p, (name, end) in enumerate(zip(g.names, g.part_ends, strict=True)):
+                self.factors[name] = Factors(g.a[p * width:(p + 1) * width], g.b_t[:, begin:end])
+                begin = end
+        self.shapes = {name: (f.a.shape[1], f.b_t.shape[1]) for name, f in self.factors.items()}
+        self._wrapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
         self.adapters: dict[str, LoraAdapter] = {}  # by name, in host memory
         self.ids: dict[str, int] = {}
         self._by_id: dict[int, LoraAdapter] = {}
@@ -53,21 +86,50 @@ class LoraSlots:
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
         self._lock = threading.Lock()  # loads from callers' threads, residency on the engine's
         self.num_loads = self.num_evictions = 0  # copies into slots, and slots taken from an adapter
-        self._slot_of_column = torch.arange(width) // max_rank
+
+    def _groups(self, model: torch.nn.Module, places: dict[str, tuple[torch.nn.Module, str]]) -> list[Group]:
+        """The fusable groups (`llama_forward.fused_groups`), and every other projection alone."""
+        names = {id(module): name for name, module in model.named_modules()}
+        width = self.max_loras * self.max_rank
+        groups, grouped = [], set()
+        specs = [(parent, fused, parts) for parent, fused, parts in llama_forward.fused_groups(model)]
+        specs += [(parent, None, (attr,)) for name, (parent, attr) in places.items()]
+        for parent, fused, parts in specs:
+            full = tuple(f"{names[id(parent)]}.{part}" for part in parts)
+            if fused is None and full[0] in grouped or not set(full) <= places.keys():
+                continue
+            grouped.update(full)
+            linears = [getattr(parent, part) for part in parts]
+            ends = [sum(m.out_features for m in linears[:i + 1]) for i in range(len(linears))]
+            a = torch.zeros(len(parts) * width, linears[0].in_features, dtype=self.dtype, device=self.device)
+            b_t = torch.zeros(width, ends[-1], dtype=self.dtype, device=self.device)
+            groups.append(Group(parent, fused, parts, full, a, b_t, ends))
+        return groups
 
     # -- the model -------------------------------------------------------------------------------
 
     def attach(self) -> None:
-        """Put the adapted projections in the model, around its current ones (before packing)."""
-        for name, (parent, attribute) in self.places.items():
-            layer = self.layers[name]
-            layer.base = getattr(parent, attribute)
-            setattr(parent, attribute, layer)
+        """Wrap what the forward pass calls (after packing): a group's fused module where the
+        weights were packed into one, else each of its projections."""
+        for g in self.groups:
+            fused = g.parent._modules.get(g.fused) if g.fused else None
+            if fused is not None:
+                self._wrap(g.parent, g.fused, lora.LoraLinear(fused, g.a, g.b_t, g.part_ends, self.batch))
+                continue
+            for part, name in zip(g.parts, g.names, strict=True):
+                f = self.factors[name]
+                base = getattr(g.parent, part)
+                self._wrap(g.parent, part, lora.LoraLinear(base, f.a, f.b_t, [f.b_t.shape[1]], self.batch))
+
+    def _wrap(self, parent: torch.nn.Module, attribute: str, layer: torch.nn.Module) -> None:
+        self._wrapped.append((parent, attribute, layer.base))
+        setattr(parent, attribute, layer)
 
     def detach(self) -> None:
-        """Give the model its projections back (after unpacking)."""
-        for name, (parent, attribute) in self.places.items():
-            setattr(parent, attribute, self.layers[name].base)
+        """Give the model what `attach` wrapped back (before unpacking)."""
+        for parent, attribute, base in reversed(self._wrapped):
+            setattr(parent, attribute, base)
+        self._wrapped.clear()
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -77,9 +139,8 @@ class LoraSlots:
             raise InvalidRequestError("lora_name", f"an adapter name must be a non-empty string, got {name!r}")
         if name in self.ids:
             raise InvalidRequestError("lora_name", f"an adapter named {name!r} is already loaded (unload it first)")
-        shapes = {n: (layer.a.shape[1], layer.b.shape[0]) for n, layer in self.layers.items()}
         try:
-            adapter = lora_adapter.read(path, name, self.max_rank, shapes, self.dtype)
+            adapter = lora_adapter.read(path, name, self.max_rank, self.shapes, self.dtype)
         except lora_adapter.LoraFormatError as error:
             raise InvalidRequestError("lora_path", str(error)) from error
         with self._lock:
@@ -121,16 +182,15 @@ class LoraSlots:
         adapters made resident, each row's mask set for the projections."""
         used = {lora_id for lora_id, _ in rows if lora_id is not None}
         if not used:
-            self.batch.mask = None
+            self.batch.rows = None
             return
         with self._lock:
             slots = self._make_resident(used)
-        row_slots = torch.cat([torch.full((n,), -1 if i is None else slots[i]) for i, n in rows])
-        mask = self._slot_of_column[None, :] == row_slots[:, None]
-        self.batch.mask = mask.to(device=self.device, dtype=self.dtype)
+        row_slots = torch.cat([torch.full((n,), -1 if i is None else slots[i], dtype=torch.long) for i, n in rows])
+        self.batch.rows = row_slots.to(self.device)
 
     def end_step(self) -> None:
-        self.batch.mask = None
+        self.batch.rows = None
 
     def _make_resident(self, used: set[int]) -> dict[int, int]:
         """Slots for the step's adapters (at most `max_loras`: the scheduler's admission), loading
@@ -155,13 +215,13 @@ class LoraSlots:
         and past its rank)."""
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         r = adapter.rank
-        for name, layer in self.layers.items():
-            layer.a[cols].zero_()
-            layer.b[:, cols].zero_()
-            factors = adapter.weights.get(name)
+        for name, f in self.factors.items():
+            f.a[cols].zero_()
+            f.b_t[cols].zero_()
+            factors = adapter.weights.get(name)  # (A [r, in], B [out, r])
             if factors is not None:
-                layer.a[cols][:r].copy_(factors[0])
-                layer.b[:, cols][:, :r].copy_(factors[1])
+                f.a[cols][:r].copy_(factors[0])
+                f.b_t[cols][:r].copy_(factors[1].T)
 
     def stats(self) -> dict[str, int]:
         return {"lora_loaded": len(self.adapters), "lora_resident": len(self.resident),

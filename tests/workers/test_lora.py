@@ -64,10 +64,14 @@ def check(arch: str, requests, prompts, names, max_new: int = MAX_NEW) -> None:
     assert_matches_reference(requests, refs)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])  # the C++ kernel where it builds; the masked GEMMs
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_mixed_adapters_equal_peft_merged_models(arch: str) -> None:
+def test_mixed_adapters_equal_peft_merged_models(arch: str, kernel: str, monkeypatch) -> None:
     """4 adapters and the base model in the same steps: chunked prefill (32-token budget), then
     decode steps on the fast path, each row with its own adapter."""
+    from cbserve.kernels import lora
+
+    monkeypatch.setenv(lora.KERNEL_ENV, kernel)
     prompts = random_prompts([3, 40, 17, 9, 60, 25, 1, 33, 12, 50], seed=3)
     names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
     requests, engine = run(arch, prompts, names, lora_config())
@@ -118,17 +122,27 @@ def test_slots_evict_the_least_recently_used_adapter(monkeypatch) -> None:
     assert stats["lora_evictions"] > 2 and stats["lora_slot_loads"] == 2 + stats["lora_evictions"] > 4
 
 
-def test_packed_float32_projections_carry_the_delta() -> None:
-    """float32 on a CPU: the base projection inside each adapted one runs packed, and the delta is
-    still added (compared with the merged model's logits, at float32 precision)."""
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_packed_float32_projections_carry_the_delta(kernel: str, monkeypatch) -> None:
+    """float32 on a CPU: the lean forward's fused q/k/v and gate/up GEMMs and the other projections
+    run packed, each wrapped once, and the deltas are still added (compared with the merged model's
+    logits, at float32 precision), by the C++ kernel and by the masked GEMMs."""
+    from cbserve.kernels import cpu_kernels, llama_forward, lora
+
+    if kernel == "auto" and cpu_kernels.unavailable_reason():
+        pytest.skip(f"the C++ kernels are unavailable: {cpu_kernels.unavailable_reason()}")
+    monkeypatch.setenv(lora.KERNEL_ENV, kernel)
     model = copy.deepcopy(base_model("llama")).float()
     engine = build_engine(model, GenerationConfig(max_new_tokens=1, do_sample=False),
                           lora_config(max_batch_tokens=64, prepack_weights=None))
     try:
         engine.load_lora("all", adapter_dir("llama", "all"))
-        q_proj = model.model.layers[0].self_attn.q_proj
-        assert type(q_proj).__name__ == "LoraLinear" and engine.packed_linears
-        assert type(q_proj.base).__name__ == "PackedLinear"
+        attn = model.model.layers[0].self_attn
+        for wrapped in (getattr(attn, llama_forward.QKV), attn.o_proj, getattr(model.model.layers[0].mlp,
+                                                                                llama_forward.GATE_UP)):
+            assert type(wrapped).__name__ == "LoraLinear" and type(wrapped.base).__name__ == "PackedLinear"
+            assert wrapped.cpp == (kernel == "auto")
+        assert type(attn.q_proj) is torch.nn.Linear  # transformers' forward outside the engine: untouched
         prompt = random_prompts([20], seed=8)[0]
         request = engine.make_request(prompt, "r", max_new_tokens=1, lora="all")
         engine.add_request(request)
