@@ -68,7 +68,8 @@ def router_kwargs(routing: RoutingConfig) -> dict[str, Any]:
     if not routing.enabled:
         return {}
     return {"load_factor": routing.load_factor, "imbalance_threshold": routing.imbalance_threshold,
-            "key_chunks": routing.key_chunks, "virtual_nodes": routing.virtual_nodes}
+            "key_chunks": routing.key_chunks, "virtual_nodes": routing.virtual_nodes,
+            "adapter_load_factor": routing.adapter_load_factor}
 
 
 def worker_options(args: ClusterArgs) -> dict[str, Any]:

@@ -129,6 +129,8 @@ class OpenAIIngress:
 
     # API key -> its tenant (empty: no key needed, also for a handler built without __init__).
     _api_keys: Mapping[str, str] = MappingProxyType({})
+    # The LoRA adapters clients may name (none for a handler built without __init__).
+    adapters: AdapterCatalog = AdapterCatalog({})
 
     def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle | None, args: ClusterArgs):
         self.args = args
@@ -462,7 +464,7 @@ class OpenAIIngress:
         try:
             if not self._authorized(metadata.get("authorization")):
                 raise APIError(401, "Incorrect or missing API key: send metadata `authorization: Bearer <key>`.")
-            await self.adapters.knows(request.model or None)
+            await self.adapters.knows(getattr(request, "model", None) or None)
             wreq = grpc_service.to_worker_request(request, self.service)
             return await self._open_choice(wreq)
         except (APIError, InvalidRequestError) as exc:

@@ -419,7 +419,7 @@ def test_worker_options_map_args_to_serve() -> None:
     router: RequestRouterConfig = fixed["request_router_config"]
     assert router.request_router_class == ROUTER_CLASS
     assert router.request_router_kwargs == {"load_factor": 1.25, "imbalance_threshold": 4, "key_chunks": 1,
-                                            "virtual_nodes": 64}
+                                            "virtual_nodes": 64, "adapter_load_factor": 2.0}
     auto = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
     scaled = worker_options(ClusterArgs(worker={"autoscaling": auto}))
     policy = scaled["autoscaling_config"].pop("policy")  # on the engine's signals too (test_autoscaling.py)

@@ -78,6 +78,14 @@ class WorkerStatsCollector:
         yield counter("cbserve:engine_steps", "Forward steps the engine ran.", lambda s: s.get("steps", 0))
         yield counter("cbserve:engine_busy_seconds", "Wall time the engine spent in its steps (busy share = "
                       "its rate).", lambda s: s.get("busy_seconds", 0.0))
+        yield from self._lora_series(gauge, counter, labels)
+        replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
+                                     labels=["model_name"])
+        replicas.add_metric([self._model_name], float(len(self.snapshot)))
+        yield replicas
+
+
+    def _lora_series(self, gauge: Any, counter: Any, labels: list[str]) -> Iterator[Metric]:
         yield gauge("cbserve:lora_adapters_held", "LoRA adapters the replica holds in host memory.",
                     lambda s: s.get("lora_adapters_held", 0))
         yield counter("cbserve:lora_adapter_unloads", "LoRA adapters the replica unloaded (past max_cpu_loras, "
@@ -92,10 +100,6 @@ class WorkerStatsCollector:
             for name, count in sorted((s.get("lora_adapter_loads") or {}).items()):
                 loads.add_metric([self._model_name, replica, name], float(count))
         yield loads
-        replicas = GaugeMetricFamily("cbserve:worker_replicas", "Worker replicas reporting stats.",
-                                     labels=["model_name"])
-        replicas.add_metric([self._model_name], float(len(self.snapshot)))
-        yield replicas
 
 
 def kv_usage(stats: dict[str, Any]) -> float:

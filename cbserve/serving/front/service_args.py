@@ -54,6 +54,10 @@ class RoutingConfig(Strict):
     imbalance_threshold: int = Field(
         4, ge=0, description="... plus this many requests (light load never breaks prefix affinity)"
     )
+    adapter_load_factor: float = Field(
+        2.0, ge=1.0, description="a LoRA adapter's replicas take its requests while their queue is below this x the "
+        "mean queue (plus imbalance_threshold): a replica without the adapter must load it"
+    )
     key_chunks: int = Field(1, ge=1, description="leading prefix chunks hashed into the routing key")
     virtual_nodes: int = Field(64, ge=1, description="points of each replica on the hash ring")
     chunk_chars: int = Field(128, ge=8, description="characters per hashed prefix chunk of a text prompt")
