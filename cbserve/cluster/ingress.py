@@ -249,21 +249,32 @@ class OpenAIIngress:
         logger.exception("unexpected error serving %s (request id %s)", request.url.path, request_id)
         return self._error(internal_error(request_id))
 
-    async def _serve(self, request: Request, schema: type, run: Any) -> Response:
-        arrival = time.perf_counter()
+    async def _answer(self, request: Request, respond: Any) -> Any:
+        """`await respond()` for an authorized request without Serve's control headers; a refusal
+        or failure as the client should see it."""
         try:
             self._check_auth(request)
             check_control_headers(request.headers)
-            req = parse_request(await self._read_body(request), schema)
-            await self.adapters.knows(getattr(req, "model", None))
-            # Serve's proxy echoes X-Request-Id (its own id when the client sent none).
-            reply: Reply = await run(req, arrival, request.headers.get("x-request-id"))
+            return await respond()
         except APIError as exc:
             return self._error(exc)
         except ClientDisconnect:
             return self._client_left(request)
         except Exception:  # noqa: BLE001 - answered with a request id, logged with the traceback
             return self._unexpected(request)
+
+    async def _serve(self, request: Request, schema: type, run: Any) -> Response:
+        arrival = time.perf_counter()
+
+        async def respond() -> Reply:
+            req = parse_request(await self._read_body(request), schema)
+            await self.adapters.knows(getattr(req, "model", None))
+            # Serve's proxy echoes X-Request-Id (its own id when the client sent none).
+            return await run(req, arrival, request.headers.get("x-request-id"))
+
+        reply = await self._answer(request, respond)
+        if isinstance(reply, Response):
+            return reply
         headers = {REPLICA_HEADER: ",".join(reply.replicas)}
         if reply.stream is not None:
             headers["Cache-Control"] = "no-cache"
@@ -351,20 +362,15 @@ class OpenAIIngress:
 
     async def _adapter_update(self, request: Request, schema: type, update: Any) -> Response:
         """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`: vLLM's bodies and plain-text answers."""
-        try:
-            self._check_auth(request)
-            check_control_headers(request.headers)
+
+        async def respond() -> Response:
             if not self.args.lora_runtime_updates:
                 raise APIError(404, f"{request.url.path}: loading and unloading LoRA adapters at run time is off "
                                "(the app's args: lora_runtime_updates: true)", code="not_found")
             return Response(await update(parse_request(await self._read_body(request), schema)),
                             media_type="text/plain")
-        except APIError as exc:
-            return self._error(exc)
-        except ClientDisconnect:
-            return self._client_left(request)
-        except Exception:  # noqa: BLE001 - answered with a request id, logged with the traceback
-            return self._unexpected(request)
+
+        return await self._answer(request, respond)
 
     async def _load_adapter(self, req: LoadLoraAdapterRequest) -> str:
         name = req.lora_name

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp", "quant_linear_cpu.cpp", "lora_cpu.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "vector_paths.h"]  # included by sources: in the build's digest too
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.
 CFLAGS = ["-O3", "-fopenmp"]
@@ -44,7 +45,7 @@ CFLAGS = ["-O3", "-fopenmp"]
 
 def extension_name() -> str:
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())

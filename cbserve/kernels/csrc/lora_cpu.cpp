@@ -29,38 +29,15 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define CB_X86 1
-#define CB_AVX2 __attribute__((target("avx2,fma")))
-#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-#else
-#define CB_X86 0
-#define CB_AVX2
-#define CB_AVX512
-#endif
+#include "vector_paths.h"
 
 namespace {
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "cbserve_cpu lora_delta_: ", what); }
 
-enum class Path { kGeneric, kAvx2, kAvx512 };
+using cbserve_vector_paths::Path;
 
-Path path_of(const std::string& isa) {
-  if (isa == "generic") return Path::kGeneric;
-  check(isa == "avx2" || isa == "avx512" || isa == "avx512_bf16", "isa must be generic, avx2, avx512 or avx512_bf16");
-#if CB_X86
-  __builtin_cpu_init();
-  check(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "this CPU lacks AVX2 + FMA");
-  if (isa == "avx2") return Path::kAvx2;
-  check(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
-        "this CPU lacks AVX-512 F/BW/VL/DQ");
-  return Path::kAvx512;
-#else
-  check(false, "the vector paths need an x86-64 build");
-  return Path::kGeneric;
-#endif
-}
+Path path_of(const std::string& isa) { return cbserve_vector_paths::path_of(isa, "cbserve_cpu lora_delta_"); }
 
 constexpr int64_t kGemmRows = 16;
 

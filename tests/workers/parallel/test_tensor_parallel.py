@@ -72,11 +72,12 @@ def tp1(arch: str, prompt: tuple[int, ...], max_new: int) -> tuple[list[int], li
         engine.release_model()
 
 
-def assert_like_tp1(arch: str, prompt: list[int], output: GenerationOutput, max_new: int = MAX_NEW) -> None:
+def assert_like_tp1(arch: str, prompt: list[int], output: GenerationOutput, max_new: int = MAX_NEW,
+                    logprob_abs: float = 1e-9) -> None:
     tokens, logprobs = tp1(arch, tuple(prompt), max_new)
     n = len(output.generated_tokens)
     assert output.generated_tokens == tokens[:n], f"prompt of {len(prompt)} tokens"
-    assert output.logprobs == pytest.approx(logprobs[:n], abs=1e-9)
+    assert output.logprobs == pytest.approx(logprobs[:n], abs=logprob_abs)
 
 
 def final(manager: ContinuousBatchingManager, request_id: str) -> GenerationOutput:
@@ -165,7 +166,10 @@ def test_speculative_decoding_under_tp2_equals_tp1() -> None:
             out = manager.get_result(rid, timeout=TIMEOUT)
             while not out.is_finished():
                 out = manager.get_result(rid, timeout=TIMEOUT)
-            assert_like_tp1("llama", prompt, out, max_new=32)
+            # Logprobs are of float32 logits (`ModelRunner`): verified proposal rows take them from
+            # torch's log-softmax, tp1's greedy rows from the C++ greedy kernel, whose sums round
+            # differently (1 ulp seen on an AVX2 EPYC); another distribution would be off by > 1e-2.
+            assert_like_tp1("llama", prompt, out, max_new=32, logprob_abs=1e-6)
         assert manager.stats()["spec_decode_num_accepted_tokens"] > 0
     finally:
         manager.stop(block=True, timeout=TIMEOUT)
