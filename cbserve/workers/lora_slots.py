@@ -92,12 +92,11 @@ class LoraSlots:
         names = {id(module): name for name, module in model.named_modules()}
         width = self.max_loras * self.max_rank
         groups, grouped = [], set()
-        specs = [(parent, fused, parts) for parent, fused, parts in llama_forward.fused_groups(model)]
-        specs += [(parent, None, (attr,)) for name, (parent, attr) in places.items()]
+        specs = list(llama_forward.fused_groups(model)) + [(parent, None, (attr,)) for parent, attr in places.values()]
         for parent, fused, parts in specs:
             full = tuple(f"{names[id(parent)]}.{part}" for part in parts)
-            if fused is None and full[0] in grouped or not set(full) <= places.keys():
-                continue
+            if (fused is None and full[0] in grouped) or not set(full) <= places.keys():
+                continue  # a part of a group already, or a group with a projection LoRA does not adapt
             grouped.update(full)
             linears = [getattr(parent, part) for part in parts]
             ends = [sum(m.out_features for m in linears[:i + 1]) for i in range(len(linears))]
