@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# GPU checks for a CUDA machine (none exists where this was written; it has never run on one).
-#   1. the kernel tests compiled for the GPU (no Triton interpreter),
-#   2. the engine on the triton and flash backends with real decode and varlen CUDA graphs vs generate()
-#      (tests/kernels/test_attention_backends.py), async batching on a real stream (tests/workers/test_async_batching.py),
-#      then the test suite without the Ray tests,
-#   3. the throughput benchmark on every workload, on a random-weight model of Qwen3-0.6B's shape
-#      (the default model's file is not needed on the GPU machine).
-# Each step runs under `timeout`; the limits add up to 7.5 minutes. Every step runs even if an
-# earlier one failed; a summary is printed at the end and the exit status is 1 if any step failed.
-# Usage: bench/gpu_check.sh            (PYTHON=/path/to/python to choose the interpreter)
+# GPU checks for a CUDA machine:
+#   1. kernels: the paged attention kernel tests compiled for the GPU (no Triton interpreter),
+#   2. backends: the engine on the triton and flash backends with real decode and varlen CUDA graphs vs
+#      generate() (tests/kernels/test_attention_backends.py), async batching on a real stream
+#      (tests/workers/test_async_batching.py),
+#   3. features: chunked prefill, preemption, prefix hits, LoRA, speculation, seeded sampling and
+#      embeddings on the GPU vs generate() / peft on the GPU (tests/workers/test_cuda_features.py),
+#   4. throughput: the benchmark on every workload, on a random-weight model of Qwen3-0.6B's shape (no
+#      model files needed): cbserve's defaults on CUDA (CUDA graphs and async batching), cbserve eager
+#      and synchronous, beside transformers' continuous batching.
+# cbserve is imported from this checkout (PYTHONPATH), so nothing needs installing but its
+# dependencies. Each step runs under `timeout`; the limits add up to 8 minutes. Every step runs even
+# if an earlier one failed; a summary is printed at the end and the exit status is 1 if any step failed.
+# Usage: bench/gpu_check.sh   (PYTHON=/path/to/python to choose the interpreter, LOG_DIR=... for the logs,
+#                              STEPS="features throughput" to run some steps only)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 PYTHON=${PYTHON:-python}
 unset TRITON_INTERPRET  # compile the Triton kernels for the GPU
 LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/cbserve_gpu_check.XXXXXX)}
+mkdir -p "$LOG_DIR"
+STEPS=${STEPS:-kernels backends features throughput}
 declare -a SUMMARY=()
 FAILED=0
 
@@ -34,6 +42,7 @@ EOF
 step() {
     local name=$1 limit=$2
     shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
     local log="$LOG_DIR/$name.log" start=$SECONDS rc
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
@@ -48,10 +57,14 @@ step() {
     SUMMARY+=("$(printf '%-12s %-16s %4ds  %s' "$name" "$outcome" $((SECONDS - start)) "$(tail -n 1 "$log")")")
 }
 
-step kernels 90 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/kernels/test_paged_attention.py
-step backends 120 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q tests/kernels/test_attention_backends.py tests/workers/test_async_batching.py
-step tests 150 env CBSERVE_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -m "not ray" tests
-step throughput 90 "$PYTHON" bench/throughput.py --workload all --random-shape qwen3-0.6b --device cuda --requests 64
+PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider -rs)
+step kernels 80 env CBSERVE_TEST_DEVICE=cuda "${PYTEST[@]}" tests/kernels/test_paged_attention.py
+step backends 100 "${PYTEST[@]}" tests/kernels/test_attention_backends.py tests/workers/test_async_batching.py
+step features 100 "${PYTEST[@]}" tests/workers/test_cuda_features.py
+step throughput 200 "$PYTHON" bench/throughput.py --workload all --random-shape qwen3-0.6b --device cuda \
+    --requests 64 --engines cbserve,cbserve:eager,hf_cb \
+    --cbserve-variant eager='{"use_cuda_graph": false, "use_async_batching": false}' \
+    --json "$LOG_DIR/throughput.json"
 
 echo
 echo "=== gpu_check summary (logs in $LOG_DIR)"

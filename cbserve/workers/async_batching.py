@@ -24,6 +24,15 @@ from cbserve.scheduler.request import Request
 from cbserve.scheduler.scheduler import StepResult
 
 
+def wanted(config, has_graphs: bool, tensor_parallel: bool) -> bool:
+    """`use_async_batching`, or for None: on with CUDA graphs (transformers' rule), unless each step's
+    tokens must be on the host before the next is planned (speculation verifies them there; tensor
+    parallel ranks get host inputs)."""
+    if config.use_async_batching is not None:
+        return bool(config.use_async_batching)
+    return has_graphs and not tensor_parallel and config.speculative is None
+
+
 @dataclass
 class InFlightStep:
     """A launched step whose greedy tokens (and log-probabilities) are still on the device."""

@@ -206,16 +206,25 @@ class StepGraphs:
         return lambda: self.forward(kwargs, shape.decode)
 
 
+def graph_kinds(wanted: bool | tuple | None, device: torch.device, full_kernels: bool,
+                fast_path: bool) -> tuple[bool, bool]:
+    """(varlen, decode) from `use_cuda_graph`: one bool for both, a pair, or None for each kind on
+    CUDA where it can run (transformers' rule for kernels that need no attention mask): varlen
+    steps with a kernel backend, decode steps with the fast path too."""
+    varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+    on_cuda = device.type == "cuda" and full_kernels
+    return (on_cuda if varlen is None else bool(varlen),
+            on_cuda and fast_path if decode is None else bool(decode))
+
+
 def build_step_graphs(config, runner, attention_backend: str, max_requests: int,
                       max_batch_tokens: int) -> StepGraphs | None:
-    """CUDA graphs as `use_cuda_graph` asks: (varlen, decode), or one bool for both. None
-    means decode graphs on CUDA when possible and no varlen graphs (opt-in)."""
-    wanted = config.use_cuda_graph
-    varlen, decode = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+    """CUDA graphs as `use_cuda_graph` asks (`graph_kinds`); an explicit ask that cannot run is
+    refused, saying why."""
     # Graphs replay the kernels' block-table path; the sdpa/cpu paths hold host control flow.
     full_kernels = runner.kernels is not None and runner.kernels.varlen is not None
-    if decode is None:
-        decode = runner.device.type == "cuda" and full_kernels and runner.max_blocks_per_request > 0
+    varlen, decode = graph_kinds(config.use_cuda_graph, runner.device, full_kernels,
+                                 runner.max_blocks_per_request > 0)
     if not (decode or varlen):
         return None
     if not full_kernels:
@@ -229,8 +238,8 @@ def build_step_graphs(config, runner, attention_backend: str, max_requests: int,
         runner.forward, max_requests=max_requests, max_tokens=max_batch_tokens,
         decode_width=runner.max_blocks_per_request, page_size=runner.page_size,
         q_padding_interval=config.q_padding_interval_size, kv_padding_interval=config.kv_padding_interval_size,
-        decode=bool(decode), varlen=bool(varlen), device=runner.device, graph_factory=cuda_graph_factory(runner.device),
+        decode=decode, varlen=varlen, device=runner.device, graph_factory=cuda_graph_factory(runner.device),
     )
     logger.info("CUDA graphs on: decode %s (up to %d requests, %d pages each), varlen %s (up to %d tokens)",
-                bool(decode), max_requests, runner.max_blocks_per_request, bool(varlen), graphs.max_varlen_tokens)
+                decode, max_requests, runner.max_blocks_per_request, varlen, graphs.max_varlen_tokens)
     return graphs

@@ -25,7 +25,7 @@ from cbserve.kernels import packed_linear
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import StepPlan, StepResult
-from cbserve.workers import model_sharing, validation
+from cbserve.workers import async_batching, model_sharing, validation
 from cbserve.workers.async_batching import InFlightStep, launch_greedy
 from cbserve.workers.generation_config import sampling_params as generation_config_sampling
 from cbserve.workers.model_runner import num_sampled_rows
@@ -131,7 +131,7 @@ class EngineCore:
         self.holds_model = True  # its attention, linears and compiled layers are the engine's (take_model)
         self.parallel = parallel
         # Async batching (CUDA only, refused by the config elsewhere): see async_batching.py.
-        self.async_batching = bool(config.use_async_batching)
+        self.async_batching = async_batching.wanted(config, self.runner.graphs is not None, parallel is not None)
         if self.async_batching and self.runner.graphs is None:
             logger.warning("use_async_batching without CUDA graphs: every kernel launch stays on the host "
                            "thread, so little of the next step's preparation overlaps this one")

@@ -157,7 +157,8 @@ def test_reference_backend_with_sliding_windows_and_softcap(arch: str) -> None:
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gemma2", torch.float64)])
 def test_triton_backend_equals_generate(arch: str, dtype: torch.dtype) -> None:
     overrides = {"sliding_window": 8} if arch == "gemma2" else {}
-    model = tiny_model(arch, dtype=dtype, **overrides)
+    device = "cpu" if tri._INTERPRETED else "cuda"  # compiled Triton kernels run on a GPU only
+    model = tiny_model(arch, dtype=dtype, **overrides).to(device)
     prompts = random_prompts([1, 20, 37])
     requests, engine = run(model, prompts, max_new=4, attention_backend="triton")
     assert engine.attention_backend == "triton"
@@ -346,3 +347,15 @@ def test_cpu_prefill_goes_to_sdpa_in_bfloat16_on_amx_unless_batch_invariant(amx:
             got = attention_backends.kernels("cpu", invariant, dtype).varlen
             sdpa = invariant is False or (invariant is None and amx and dtype == torch.bfloat16)
             assert got is (None if sdpa else cpu_kernels.varlen_paged_attention), (dtype, invariant)
+
+
+def test_graph_kinds_default_to_what_can_run_on_cuda() -> None:
+    """use_cuda_graph=None: varlen graphs on CUDA with a kernel backend, decode graphs with the fast
+    path too (transformers' rule); nothing on a CPU or without kernels; explicit choices kept."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cuda_graphs.graph_kinds(None, cuda, True, True) == (True, True)
+    assert cuda_graphs.graph_kinds(None, cuda, True, False) == (True, False)  # sliding windows: no fast path
+    assert cuda_graphs.graph_kinds(None, cuda, False, True) == (False, False)  # sdpa
+    assert cuda_graphs.graph_kinds(None, cpu, True, True) == (False, False)
+    assert cuda_graphs.graph_kinds((False, None), cuda, True, True) == (False, True)
+    assert cuda_graphs.graph_kinds(True, cpu, True, True) == (True, True)  # refused later, saying why

@@ -60,7 +60,7 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> lis
 def reference_generate(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """`model.generate()` on this prompt alone, greedy: tokens and their log-probabilities."""
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
         return_dict_in_generate=True,
     )

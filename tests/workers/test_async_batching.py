@@ -188,3 +188,15 @@ def test_real_async_batching_on_cuda_equals_generate() -> None:
     requests, engine = run_engine(model.cuda(), prompts, cfg, MAX_NEW)
     assert engine.async_batching and engine.runner.graphs is not None and engine.runner.staging is not None
     assert_matches_reference(requests, refs, tol=1e-3)
+
+
+def test_default_is_on_with_graphs_unless_the_host_needs_each_step() -> None:
+    """None follows transformers' rule: on with CUDA graphs; off with speculation or tensor parallelism
+    (their steps' tokens are needed on the host); an explicit choice is kept."""
+    plain = config()
+    speculating = config(speculative={"method": "ngram"})
+    assert async_batching.wanted(plain, has_graphs=True, tensor_parallel=False)
+    assert not async_batching.wanted(plain, has_graphs=False, tensor_parallel=False)
+    assert not async_batching.wanted(plain, has_graphs=True, tensor_parallel=True)
+    assert not async_batching.wanted(speculating, has_graphs=True, tensor_parallel=False)
+    assert not async_batching.wanted(config(use_async_batching=False), has_graphs=True, tensor_parallel=False)
