@@ -145,7 +145,7 @@ if TRITON_AVAILABLE:
         qk_scale, softcap, window, page_size, head_dim, group, num_heads, partition_size, num_splits,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
+        DOT_UPCAST: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -167,9 +167,9 @@ if TRITON_AVAILABLE:
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.full([ROWS], 0.0, tl.float32)
-        acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), ACC)
+        l_i = tl.full([ROWS], 0.0, ACC)
+        acc = tl.full([ROWS, BLOCK_D], 0.0, ACC)
         bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_btb
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -228,7 +228,7 @@ if TRITON_AVAILABLE:
         qk_scale, softcap, window, page_size, head_dim, group, num_seqs,
         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, ACC: tl.constexpr,
     ):  # fmt: skip
         # Program i covers query block i - (cu_seqlens_q[b] // BLOCK_M + b) of request b: a grid of
         # T // BLOCK_M + B programs covers every request without knowing max q_len on the host.
@@ -267,9 +267,9 @@ if TRITON_AVAILABLE:
         kv_start = 0
         if HAS_WINDOW:
             kv_start = tl.maximum(first_pos - window + 1, 0)
-        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.full([BLOCK_M * GROUP_PAD], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M * GROUP_PAD, BLOCK_D], 0.0, tl.float32)
+        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), ACC)
+        l_i = tl.full([BLOCK_M * GROUP_PAD], 0.0, ACC)
+        acc = tl.full([BLOCK_M * GROUP_PAD, BLOCK_D], 0.0, ACC)
         bt_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_btb
         for n0 in range(kv_start, kv_end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -309,7 +309,13 @@ def _pow2(n: int, minimum: int = 1) -> int:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: full-precision dots (no tf32), so results match the reference to ~1e-5.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def _accumulator(dtype: torch.dtype):
+    # The online softmax's running max, sum and output: float32, float64 for float64 inputs (whose
+    # dots are float64: a loop-carried float32 would change type on a GPU).
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 
 def _dot_upcast(dtype: torch.dtype) -> bool:
@@ -396,7 +402,7 @@ def paged_decode_attention(
         partition, num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=bool(softcap), SPLIT=split,
         ROWS=_pow2(group, 16), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype), ACC=_accumulator(q.dtype),
     )  # fmt: skip
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -445,6 +451,6 @@ def varlen_paged_attention(
         scale, softcap or 0.0, sliding_window or 0, k_cache.shape[1], head_dim, group, num_seqs,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=bool(softcap),
         BLOCK_M=block_m, GROUP_PAD=group_pad, BLOCK_N=_pow2(block_n, 16), BLOCK_D=_pow2(head_dim, 16),
-        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), DOT_UPCAST=_dot_upcast(q.dtype), ACC=_accumulator(q.dtype),
     )  # fmt: skip
     return out
