@@ -42,6 +42,11 @@ class SpeculativeConfig(BaseModel):
         "loaded in the target's dtype"
     )
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="most tokens proposed per request per step")
+    num_speculative_tokens_schedule: Literal["heuristic", "constant"] = Field(
+        "heuristic", description="transformers' num_assistant_tokens_schedule: heuristic: a request's next proposal "
+        "may be 2 tokens longer after its last was accepted whole (up to num_speculative_tokens), 1 shorter (at least "
+        "1) after one was cut short; constant: up to num_speculative_tokens every step"
+    )
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="longest n-gram matched (tried first)")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="shortest n-gram matched")
     disable_by_batch_size: int | None = Field(

@@ -27,7 +27,7 @@ The proposals count in the step's token budget; only the verified ones count as 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -106,6 +106,7 @@ class Scheduler:
         proposer: Proposer | None = None,
         speculate_below: int | None = None,
         num_speculative_tokens: int = 0,
+        adaptive_lookahead: bool = False,
         max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
@@ -124,6 +125,10 @@ class Scheduler:
         self._transfers: list[KVTransfer] = []
         # Speculative decoding: proposals in steps with fewer than `speculate_below` decoding requests.
         self.proposer, self.speculate_below = proposer, speculate_below
+        # With `adaptive_lookahead`, each request's proposals are at most its own lookahead
+        # (request id -> tokens; `_adapt_lookahead`), else at most `num_speculative_tokens`.
+        self.max_lookahead, self.adaptive_lookahead = num_speculative_tokens, adaptive_lookahead
+        self._lookahead: dict[str, int] = {}
         # LoRA: the running requests use at most this many adapters (all resident in one step).
         self.max_loras = max_loras
         # With sliding-window layers only: how far back a query sees (pages before are released).
@@ -209,7 +214,8 @@ class Scheduler:
         token drawn after them is its own), none for one that may not speculate."""
         if not request.may_speculate or request.num_inflight:
             return []
-        return self.proposer.propose(request, request.max_new_tokens - len(request.generated) - 1)
+        lookahead = self._lookahead.get(request.request_id, self.max_lookahead)
+        return self.proposer.propose(request, min(lookahead, request.max_new_tokens - len(request.generated) - 1))
 
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num
@@ -387,7 +393,25 @@ class Scheduler:
         that got a token or finished."""
         if plan is not None:
             self._advance([s for s in plan.batch if s.request.live], in_flight=result is None)
+        if plan is not None and result is not None and self.adaptive_lookahead:
+            self._adapt_lookahead(plan.batch, result)
         return [] if result is None else self._take(result, was_in_flight=plan is None)
+
+    def _adapt_lookahead(self, batch: list[ScheduledRequest], result: StepResult) -> None:
+        """transformers' "heuristic" schedule of assistant tokens, per request: after a proposal
+        accepted whole, the next may be 2 tokens longer (up to `max_lookahead`); after one cut
+        short, 1 shorter (at least 1). Proposals that keep failing cost one verified row a step,
+        not `max_lookahead`."""
+        runs = Counter(id(r) for r in result.requests)  # a request's accepted proposals + its drawn token
+        for s in batch:
+            if not s.draft:
+                continue
+            rid = s.request.request_id
+            lookahead = self._lookahead.get(rid, self.max_lookahead)
+            if runs[id(s.request)] - 1 == len(s.draft):
+                self._lookahead[rid] = min(self.max_lookahead, lookahead + 2)
+            else:
+                self._lookahead[rid] = max(1, lookahead - 1)
 
     def _advance(self, batch: list[ScheduledRequest], in_flight: bool) -> None:
         bm = self.block_manager
@@ -448,4 +472,5 @@ class Scheduler:
             self.remove(request)
             if self.proposer is not None:
                 self.proposer.forget(request.request_id)
+                self._lookahead.pop(request.request_id, None)
         request.finish(status, reason, error)

@@ -126,7 +126,8 @@ def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dic
     else:
         proposer = NgramProposer(spec)
     return {"proposer": proposer, "speculate_below": spec.disable_by_batch_size,
-            "num_speculative_tokens": spec.num_speculative_tokens}
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "adaptive_lookahead": spec.num_speculative_tokens_schedule == "heuristic"}
 
 
 def quantize_model(model: torch.nn.Module, batch_invariant: bool | None) -> None:

@@ -225,6 +225,64 @@ def test_no_proposals_past_max_new_tokens_and_within_the_budget() -> None:
         engine.release_model()
 
 
+class _RecordingProposer:
+    """Proposes `limit` copies of the request's last token, recording each limit it is given."""
+
+    def __init__(self) -> None:
+        self.limits: list[int] = []
+
+    def propose(self, request, limit: int) -> list[int]:
+        self.limits.append(limit)
+        return [request.tokens[-1]] * limit
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("schedule", ["heuristic", "constant"])
+def test_lookahead_schedule(schedule: str) -> None:
+    """heuristic (transformers' num_assistant_tokens_schedule): a request's next proposal may be 2
+    tokens longer after one accepted whole (never past num_speculative_tokens), 1 shorter (never
+    below 1) after one cut short; constant: num_speculative_tokens each step. Tokens are unchanged."""
+    prompt = random_prompts([12], seed=11)[0]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True,
+                                           speculative={**SPEC, "num_speculative_tokens_schedule": schedule})
+    engine = _engine(cfg, max_new=16)
+    proposer = engine.scheduler.proposer = _RecordingProposer()
+    accepted: list[int] = []  # per proposal: how many of its tokens were accepted
+    try:
+        request = engine.make_request(prompt, "r")
+        engine.add_request(request)
+        while engine.has_work:
+            before = engine.scheduler.num_accepted_tokens
+            proposed = len(proposer.limits)
+            engine.step()
+            if len(proposer.limits) > proposed:
+                accepted.append(engine.scheduler.num_accepted_tokens - before)
+    finally:
+        engine.release_model()
+    assert request.generated == reference_generate(model_for("llama"), prompt, 16)[0]
+    remaining = [16 - 1 - n for n in _generated_before_each(proposer.limits, accepted)]
+    expected, lookahead = [], 4
+    for got_accepted, left in zip(accepted, remaining):
+        expected.append(min(lookahead, left))
+        if schedule == "heuristic":
+            whole = got_accepted == expected[-1]
+            lookahead = min(4, lookahead + 2) if whole else max(1, lookahead - 1)
+    assert proposer.limits == expected
+    assert any(a < lim for a, lim in zip(accepted, proposer.limits))  # some proposals were cut short
+    assert engine.scheduler._lookahead == {}  # forgotten when the request finished
+
+
+def _generated_before_each(limits: list[int], accepted: list[int]) -> list[int]:
+    """Tokens the request had before each proposal: one after the prompt, then each step's accepted + 1."""
+    done, out = 1, []
+    for a in accepted:
+        out.append(done)
+        done += a + 1
+    return out
+
+
 def test_who_speculates() -> None:
     """No proposals for a request that opted out, one with logits processors (a penalty), or when the step has disable_by_batch_size decoding requests."""
     prompt = _repetitive_prompts()[5]
