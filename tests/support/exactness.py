@@ -26,14 +26,16 @@ def reference(arch: str, lengths: tuple[int, ...], max_new: int) -> list[tuple[l
 
 
 def run_engine(model, prompts, cfg: cbserve.ContinuousBatchingConfig, max_new: int = MAX_NEW, setup=None,
-               eos_token_id: int | None = None):
-    """Greedy, EOS ignored unless given; `setup(engine)` runs before the requests are added."""
+               eos_token_id: int | None = None, per_request: list[dict] | None = None):
+    """Greedy, EOS ignored unless given; `setup(engine)` runs before the requests are added;
+    `per_request[i]`: more `make_request` arguments for prompt i (an adapter, sampling, pooling)."""
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos_token_id)
     engine = build_engine(model, gc, cfg)
     try:
         if setup is not None:
             setup(engine)
-        requests = [engine.make_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+        extra = per_request or [{}] * len(prompts)
+        requests = [engine.make_request(p, f"req_{i}", **kw) for i, (p, kw) in enumerate(zip(prompts, extra))]
         for r in requests:
             engine.add_request(r)
         while engine.has_work:

@@ -12,11 +12,9 @@ import copy
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 import cbserve
 from cbserve.scheduler.request import SamplingParams
-from cbserve.workers.factory import build_engine
 from tests.support.exactness import run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -76,18 +74,13 @@ def test_lora_adapters_equal_peft_merged_models(kernel: str, monkeypatch) -> Non
     prompts = random_prompts([3, 17, 40, 9, 25, 60])
     names = [None, "all", "attn", "all", None, "attn"]
     refs = [reference_generate(merged[n], p, MAX_NEW) for p, n in zip(prompts, names)]
-    gc = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
-    engine = build_engine(base, gc, config(enable_lora=True, max_loras=2, max_lora_rank=8))
-    try:
+
+    def load(engine) -> None:
         for name, folder in folders.items():
             engine.load_lora(name, folder)
-        requests = [engine.make_request(p, f"req_{i}", lora=n) for i, (p, n) in enumerate(zip(prompts, names))]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
+
+    requests, _ = run_engine(base, prompts, config(enable_lora=True, max_loras=2, max_lora_rank=8), MAX_NEW, load,
+                             per_request=[{"lora": n} for n in names])
     assert_same(requests, refs)
 
 
@@ -112,20 +105,11 @@ def test_seeded_sampling_is_reproducible_across_batches() -> None:
     """A seeded request draws the same tokens alone and beside others (its own generator)."""
     model = cuda_model("qwen3")
     prompts = random_prompts([5, 30, 12])
-    gc = GenerationConfig(max_new_tokens=MAX_NEW, eos_token_id=None)
 
     def sample(batch: list[list[int]]) -> list[list[int]]:
-        engine = build_engine(model, gc, config())
-        try:
-            requests = [engine.make_request(p, f"r{i}", sampling=SamplingParams(do_sample=True, temperature=0.9,
-                                                                               top_p=0.9, seed=1234 + i))
-                        for i, p in enumerate(batch)]
-            for r in requests:
-                engine.add_request(r)
-            while engine.has_work:
-                engine.step()
-        finally:
-            engine.release_model()
+        sampling = [{"sampling": SamplingParams(do_sample=True, temperature=0.9, top_p=0.9, seed=1234 + i)}
+                    for i in range(len(batch))]
+        requests, _ = run_engine(model, batch, config(), MAX_NEW, per_request=sampling)
         return [r.generated for r in requests]
 
     together = sample(prompts)
@@ -136,15 +120,8 @@ def test_seeded_sampling_is_reproducible_across_batches() -> None:
 def test_embeddings_equal_the_last_hidden_state() -> None:
     model = cuda_model("qwen3")
     prompts = random_prompts([4, 33, 70])
-    engine = build_engine(model, GenerationConfig(max_new_tokens=1), config(max_batch_tokens=32))
-    try:
-        requests = [engine.make_request(p, f"emb_{i}", pooling="mean") for i, p in enumerate(prompts)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release_model()
+    requests, _ = run_engine(model, prompts, config(max_batch_tokens=32), 1,
+                             per_request=[{"pooling": "mean"}] * len(prompts))
     with torch.no_grad():
         for request, prompt in zip(requests, prompts):
             hidden = model.base_model(torch.tensor([prompt], device="cuda")).last_hidden_state[0].mean(0)
