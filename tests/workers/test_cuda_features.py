@@ -15,7 +15,7 @@ import torch
 
 import cbserve
 from cbserve.scheduler.request import SamplingParams
-from tests.support.exactness import run_engine
+from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -26,12 +26,6 @@ TOL = 1e-3
 
 def cuda_model(arch: str = "qwen3", seed: int = 0):
     return tiny_model(arch, dtype=torch.float32, seed=seed).cuda()
-
-
-def assert_same(requests, refs) -> None:
-    for request, (tokens, logprobs) in zip(requests, refs):
-        assert request.generated == tokens, request.request_id
-        assert request.logprobs == pytest.approx(logprobs, abs=TOL), request.request_id
 
 
 def config(**fields) -> cbserve.ContinuousBatchingConfig:
@@ -46,7 +40,7 @@ def test_chunked_prefill_preemption_and_prefix_hits(arch: str) -> None:
     prompts = random_prompts([1, 9, 40, 70, 130]) + [shared + p for p in random_prompts([3, 20], seed=8)]
     # 14 pages of 16 for 7 requests of up to 138 tokens: preemption; 64-token steps: chunked prefill.
     requests, engine = run_engine(model, prompts, config(num_blocks=14), MAX_NEW)
-    assert_same(requests, [reference_generate(model, p, MAX_NEW) for p in prompts])
+    assert_matches_reference(requests, [reference_generate(model, p, MAX_NEW) for p in prompts], tol=TOL)
     graphs = engine.runner.graphs  # the defaults on CUDA: graphs of both kinds (varlen only with sliding windows)
     assert graphs is not None and graphs.max_varlen_tokens > 0 and bool(graphs.decode_width) == (arch != "gemma2")
     assert engine.async_batching
@@ -81,7 +75,7 @@ def test_lora_adapters_equal_peft_merged_models(kernel: str, monkeypatch) -> Non
 
     requests, _ = run_engine(base, prompts, config(enable_lora=True, max_loras=2, max_lora_rank=8), MAX_NEW, load,
                              per_request=[{"lora": n} for n in names])
-    assert_same(requests, refs)
+    assert_matches_reference(requests, refs, tol=TOL)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -96,7 +90,7 @@ def test_speculation_equals_generate(method: str, tmp_path) -> None:
     else:
         spec["prompt_lookup_max"] = 4
     requests, engine = run_engine(model, prompts, config(speculative=spec), 16)
-    assert_same(requests, [reference_generate(model, p, 16) for p in prompts])
+    assert_matches_reference(requests, [reference_generate(model, p, 16) for p in prompts], tol=TOL)
     assert engine.scheduler.num_accepted_tokens > 0
     assert not engine.async_batching  # proposals are verified on the host each step
 

@@ -262,7 +262,7 @@ def test_lookahead_schedule(schedule: str) -> None:
     finally:
         engine.release_model()
     assert request.generated == reference_generate(model_for("llama"), prompt, 16)[0]
-    remaining = [16 - 1 - n for n in _generated_before_each(proposer.limits, accepted)]
+    remaining = [16 - 1 - n for n in _generated_before_each(accepted)]
     expected, lookahead = [], 4
     for got_accepted, left in zip(accepted, remaining):
         expected.append(min(lookahead, left))
@@ -274,7 +274,7 @@ def test_lookahead_schedule(schedule: str) -> None:
     assert engine.scheduler._lookahead == {}  # forgotten when the request finished
 
 
-def _generated_before_each(limits: list[int], accepted: list[int]) -> list[int]:
+def _generated_before_each(accepted: list[int]) -> list[int]:
     """Tokens the request had before each proposal: one after the prompt, then each step's accepted + 1."""
     done, out = 1, []
     for a in accepted:
