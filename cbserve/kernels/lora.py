@@ -9,6 +9,11 @@ lean forward's one GEMM, `llama_forward.py`) keeps its parts' factors together: 
 (part p's slots from row p * S * r) and `b_t` [S * r, out] whose columns follow the parts' outputs
 (`part_ends`). A step's rows each use one slot or none (the base model): `LoraBatch.rows`.
 
+Under tensor parallelism each rank holds its shard's factors (`lora_slots.py` slices them): a
+column-parallel projection's `b_t` columns, a row-parallel one's `a` columns. A row-parallel
+projection's delta is then a partial sum, like its base output: it is all-reduced over the ranks
+(`group`) before it is added to the base output, which its own hook has already reduced.
+
 Two ways to add the deltas, each row's own adapter only:
 - the C++ kernel on CPUs (`csrc/lora_cpu.cpp`): each row shrunk and expanded through its slot's
   columns alone (a segmented GEMV, as Punica's SGMV), P parts in one pass;
@@ -78,9 +83,10 @@ class LoraLinear(torch.nn.Module):
     the engine's slot storage (written in place when an adapter is copied into a slot)."""
 
     def __init__(self, base: torch.nn.Module, a: torch.Tensor, b_t: torch.Tensor, part_ends: list[int],
-                 batch: LoraBatch) -> None:
+                 batch: LoraBatch, reduce_group: object | None = None) -> None:
         super().__init__()
         self.base, self.batch = base, batch
+        self.reduce_group = reduce_group  # a row-parallel shard's process group: its delta is a partial sum
         self.a, self.b_t = a, b_t
         self.part_ends = part_ends
         self._ends = torch.tensor(part_ends, dtype=torch.long)
@@ -92,15 +98,26 @@ class LoraLinear(torch.nn.Module):
         if rows is None:  # no row uses an adapter (or not the engine's pass): the base projection alone
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.reduce_group is None:
+            self._add_delta(y2, x2, rows)
+            return y
+        import torch.distributed as dist
+
+        delta = torch.zeros_like(y2)
+        self._add_delta(delta, x2, rows)
+        dist.all_reduce(delta, group=self.reduce_group)
+        y2 += delta
+        return y
+
+    def _add_delta(self, y2: torch.Tensor, x2: torch.Tensor, rows: torch.Tensor) -> None:
         if self.cpp:
             from cbserve.kernels import cpu_kernels
 
             cpu_kernels.lora_delta_(y2, x2.contiguous(), self.a, self.b_t, rows, self._ends, self.batch.rank)
-            return y
+            return
         width = self.batch.slots * self.batch.rank
         h = (x2 @ self.a.T).view(x2.shape[0], -1, width) * self.batch.mask(x2.dtype)[:, None, :]
         begin = 0
         for part, end in enumerate(self.part_ends):
             y2[:, begin:end] += h[:, part] @ self.b_t[:, begin:end]
             begin = end
-        return y

@@ -92,7 +92,8 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     runner = build_runner(model, config, cache, attention_backend, sizes, dtype)
     lora = None
     if config.enable_lora:  # its slots sized from the model's own projections, before packing
-        lora = runner.lora = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        lora = runner.lora = LoraSlots(model, config.max_loras, config.max_lora_rank,
+                                       parallel.groups.data if parallel is not None else None)
     packed_linears = packed_linear.pack_linears(model, config.batch_invariant) if pack_weights else []
     if lora is not None:  # around what the pass calls: packed, fused q/k/v and gate/up
         lora.attach()

@@ -12,6 +12,13 @@ The slots' storage is made once per engine (`kernels/lora.py` has its layout): o
 tensors per projection, or per group of projections the lean forward fuses into one GEMM (q/k/v,
 gate/up), each projection writing into its own view of them. `attach` wraps what the pass calls:
 a fused group's one module when the weights were packed (fused), else each projection.
+
+Under tensor parallelism (the model is a shard, `parallel/sharding.py`) adapters are read and kept
+whole, checked against the whole model's shapes, and each rank copies its shard's slice of them
+into its slots, split like their base layers: a column-parallel projection's lora_B by output rows,
+a row-parallel one's lora_A by input columns (its delta then all-reduced, `kernels/lora.py`). Rank 0
+alone decides residency: each step's row slots and the copies it made (`step_copies`) reach the
+other ranks with the step, and the adapters they need before it (`sync`), where `apply` replays them.
 """
 
 from __future__ import annotations
@@ -60,8 +67,49 @@ class Group:
     part_ends: list[int]
 
 
+@dataclass(frozen=True)
+class ShardSlice:
+    """How a tensor-parallel rank takes its part of one projection's factors."""
+
+    row_parallel: bool  # split by input columns (lora_A's); else by output rows (lora_B's)
+    rank: int
+    world: int
+
+    def whole(self, fan_in: int, fan_out: int) -> tuple[int, int]:
+        """The whole model's (in, out) of a shard's projection."""
+        return (fan_in * self.world, fan_out) if self.row_parallel else (fan_in, fan_out * self.world)
+
+    def take(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (lora_A [r, in / world] or whole, lora_B [out / world, r] or whole)."""
+        if self.row_parallel:
+            n = a.shape[1] // self.world
+            return a[:, self.rank * n:(self.rank + 1) * n], b
+        n = b.shape[0] // self.world
+        return a, b[self.rank * n:(self.rank + 1) * n]
+
+
+def shard_slices(model: torch.nn.Module, names: list[str]) -> dict[str, ShardSlice]:
+    """For a tensor-parallel shard, each adapted projection's slice (empty for a whole model)."""
+    from cbserve.workers.parallel import sharding  # torch.distributed only when used
+
+    spec = sharding.shard_spec(model)
+    if not sharding.is_shard(model):
+        return {}
+    rules = sharding.tp_rules(model)
+    slices = {}
+    for name in names:
+        rule = rules.get(name)
+        if rule not in (sharding.COLWISE, sharding.ROWWISE):
+            raise ValueError(f"enable_lora with tp_size={spec.world}: {name} is {rule or 'not split'} in the model's "
+                             "tensor-parallel plan; adapters are served on split projections only")
+        slices[name] = ShardSlice(rule == sharding.ROWWISE, spec.rank, spec.world)
+    return slices
+
+
 class LoraSlots:
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int,
+                 reduce_group: object | None = None) -> None:
+        """`reduce_group`: the tensor-parallel data group when `model` is a shard."""
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch = lora.LoraBatch(max_loras, max_rank)
         places = projections(model)
@@ -70,6 +118,8 @@ class LoraSlots:
                              f"{', '.join(lora_adapter.PROJECTIONS)} for adapters to adapt")
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.slices = shard_slices(model, list(places))
+        self.reduce_group = reduce_group
         self.groups = self._groups(model, places)
         self.factors: dict[str, Factors] = {}
         for g in self.groups:
@@ -78,6 +128,8 @@ class LoraSlots:
                 self.factors[name] = Factors(g.a[p * width:(p + 1) * width], g.b_t[:, begin:end])
                 begin = end
         self.shapes = {name: (f.a.shape[1], f.b_t.shape[1]) for name, f in self.factors.items()}
+        for name, part in self.slices.items():  # adapters are read whole, then sliced
+            self.shapes[name] = part.whole(*self.shapes[name])
         self._wrapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
         self.adapters: dict[str, LoraAdapter] = {}  # by name, in host memory
         self.ids: dict[str, int] = {}
@@ -86,6 +138,8 @@ class LoraSlots:
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
         self._lock = threading.Lock()  # loads from callers' threads, residency on the engine's
         self.num_loads = self.num_evictions = 0  # copies into slots, and slots taken from an adapter
+        self.step_copies: list[tuple[int, int]] = []  # the last prepared step's (lora id, slot) copies
+        self._synced: set[int] = set()  # tensor parallelism: adapters the other ranks hold
 
     def _groups(self, model: torch.nn.Module, places: dict[str, tuple[torch.nn.Module, str]]) -> list[Group]:
         """The fusable groups (`llama_forward.fused_groups`), and every other projection alone."""
@@ -118,7 +172,9 @@ class LoraSlots:
             for part, name in zip(g.parts, g.names, strict=True):
                 f = self.factors[name]
                 base = getattr(g.parent, part)
-                self._wrap(g.parent, part, lora.LoraLinear(base, f.a, f.b_t, [f.b_t.shape[1]], self.batch))
+                row_parallel = name in self.slices and self.slices[name].row_parallel
+                self._wrap(g.parent, part, lora.LoraLinear(base, f.a, f.b_t, [f.b_t.shape[1]], self.batch,
+                                                           self.reduce_group if row_parallel else None))
 
     def _wrap(self, parent: torch.nn.Module, attribute: str, layer: torch.nn.Module) -> None:
         self._wrapped.append((parent, attribute, layer.base))
@@ -179,6 +235,7 @@ class LoraSlots:
     def prepare(self, rows: list[tuple[int | None, int]]) -> None:
         """A step's rows, as (lora id or None, number of rows) per request in row order: its
         adapters made resident, each row's mask set for the projections."""
+        self.step_copies = []
         used = {lora_id for lora_id, _ in rows if lora_id is not None}
         if not used:
             self.batch.rows = None
@@ -206,6 +263,7 @@ class LoraSlots:
                 self.num_evictions += 1
             self._copy_in(self._by_id[lora_id], slot)
             self.resident[lora_id] = slot
+            self.step_copies.append((lora_id, slot))
             self.num_loads += 1
         return {lora_id: self.resident[lora_id] for lora_id in used}
 
@@ -219,8 +277,36 @@ class LoraSlots:
             f.b_t[cols].zero_()
             factors = adapter.weights.get(name)  # (A [r, in], B [out, r])
             if factors is not None:
+                if name in self.slices:
+                    factors = self.slices[name].take(*factors)
                 f.a[cols][:r].copy_(factors[0])
                 f.b_t[cols][:r].copy_(factors[1].T)
+
+    # -- tensor parallelism: rank 0 tells, the other ranks replay -----------------------------------
+
+    def sync(self) -> dict | None:
+        """Rank 0, before sending a prepared step: the adapters its copies need that the other ranks
+        do not hold yet, and those unloaded since (None when there is nothing to tell)."""
+        with self._lock:
+            new = {i: self._by_id[i] for i, _ in self.step_copies if i not in self._synced}
+            gone = [i for i in self._synced if i not in self._by_id]
+        if not new and not gone:
+            return None
+        self._synced.difference_update(gone)
+        self._synced.update(new)
+        return {"adapters": new, "forget": gone}
+
+    def receive(self, message: dict) -> None:
+        """Another rank: keep what rank 0's `sync` sent."""
+        for lora_id in message["forget"]:
+            self._by_id.pop(lora_id, None)
+        self._by_id.update(message["adapters"])
+
+    def apply(self, rows: torch.Tensor | None, copies: list[tuple[int, int]]) -> None:
+        """Another rank: rank 0's copies for this step, then its row slots (None: no adapter rows)."""
+        for lora_id, slot in copies:
+            self._copy_in(self._by_id[lora_id], slot)
+        self.batch.rows = None if rows is None else rows.to(self.device)
 
     def stats(self) -> dict[str, int]:
         return {"lora_loaded": len(self.adapters), "lora_resident": len(self.resident),

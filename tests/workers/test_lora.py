@@ -238,7 +238,6 @@ def test_lora_needs_enable_lora() -> None:
     ({"max_loras": 65}, "max_loras"),
     ({"max_lora_rank": 0}, "max_lora_rank"),
     ({"max_lora_rank": 513}, "max_lora_rank"),
-    ({"tp_size": 2}, "tp_size > 1"),
     ({"default_compile_level": 1}, "torch.compile"),
     ({"batch_invariant": True}, "batch_invariant"),
     ({"node_kv_pool": "pool", "cpu_offload_space": 1.0}, "node_kv_pool"),

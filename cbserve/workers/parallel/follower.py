@@ -15,6 +15,7 @@ from cbserve.kernels import paged_attention
 from cbserve.kernels.attention_backends import KernelBackend
 from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.kv.host_pool import HostKVPool
+from cbserve.workers.lora_slots import LoraSlots
 from cbserve.workers.model_shape import ModelShape
 from cbserve.workers.parallel import step_codec
 from cbserve.workers.parallel.groups import TensorParallelError, TPGroups
@@ -25,20 +26,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Memory:
-    """What rank 0's setup message gives this rank: its pages, its host pool, rank 0's kernels."""
+    """What rank 0's setup message gives this rank: its pages, its host pool, rank 0's kernels,
+    its LoRA slots (enable_lora)."""
 
     cache: PagedKVCache
     host_pool: HostKVPool | None
     kernels: KernelBackend | None
+    lora: LoraSlots | None = None
 
 
-def _setup(payload: dict, shape: ModelShape, dtype: torch.dtype, device: torch.device, rank: int) -> _Memory:
+def _setup(payload: dict, shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> _Memory:
+    shape, dtype = ModelShape.from_model(shard), next(shard.parameters()).dtype
     cache = PagedKVCache(shape.num_layers, payload["num_blocks"], payload["page_size"], shape.num_kv_heads,
                          shape.head_dim, dtype, device)
     pool = HostKVPool(cache, payload["host_blocks"]) if payload["host_blocks"] else None
-    logger.info("rank %d: KV cache of %.1f MiB, host pool of %d pages", rank, cache.nbytes / 2**20,
+    logger.info("rank %d: KV cache of %.1f MiB, host pool of %d pages", groups.rank, cache.nbytes / 2**20,
                 payload["host_blocks"])
-    return _Memory(cache, pool, payload["kernels"])
+    lora = None
+    if payload.get("lora") is not None:  # rank 0's slots, over this rank's shard of each projection
+        lora = LoraSlots(shard, *payload["lora"], reduce_group=groups.data)
+        lora.attach()
+    return _Memory(cache, pool, payload["kernels"], lora)
 
 
 def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
@@ -50,41 +58,52 @@ def follow(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> An
     previous = shard.config._attn_implementation
     shard.set_attn_implementation(paged_attention.ATTENTION_NAME)
     hooks = install_all_reduce(shard, groups.data)
+    memory: list[_Memory] = []  # the loop's, for the adapters' wrappers to be taken off
     try:
-        return _loop(shard, groups, device)
+        return _loop(shard, groups, device, memory)
     finally:
+        if memory and memory[-1].lora is not None:
+            memory[-1].lora.detach()
         for hook in hooks:
             hook.remove()
         shard.set_attn_implementation(previous)
 
 
-def _loop(shard: torch.nn.Module, groups: TPGroups, device: torch.device) -> Any:
+def _loop(shard: torch.nn.Module, groups: TPGroups, device: torch.device, kept: list[_Memory]) -> Any:
     # A vocabulary-parallel head takes part in every step (its logits are gathered on rank 0); a
     # replicated one is left to rank 0.
     whole = vocab_parallel_head(shard) is not None
     forward = shard if whole else shard.get_decoder()
-    shape = ModelShape.from_model(shard)
-    dtype = next(shard.parameters()).dtype
     memory: _Memory | None = None
     while True:
         message = groups.recv()
         if message.kind == "step":
             cache = memory.cache
-            kwargs, transfers = step_codec.decode(message.payload, device, cache.k, cache.v, cache.page_size,
-                                                  memory.kernels)
+            kwargs, transfers, lora = step_codec.decode(message.payload, device, cache.k, cache.v,
+                                                        cache.page_size, memory.kernels)
             if not whole:
                 kwargs.pop("logits_to_keep")
             try:
                 if transfers:  # before the forward pass may write the pages they read
                     memory.host_pool.execute(transfers)
+                if memory.lora is not None:
+                    memory.lora.apply(lora.rows, lora.copies)
                 with torch.inference_mode():
                     forward(**kwargs)
             except TensorParallelError:
                 raise
             except Exception as error:
                 raise groups.fail("running its forward pass", error) from error
+            finally:
+                if memory.lora is not None:
+                    memory.lora.end_step()
+        elif message.kind == "lora":
+            memory.lora.receive(message.payload)
         elif message.kind == "setup":
-            memory = _setup(message.payload, shape, dtype, device, groups.rank)
+            if memory is not None and memory.lora is not None:  # a new engine: its own slots
+                memory.lora.detach()
+            memory = _setup(message.payload, shard, groups, device)
+            kept[:] = [memory]
         elif message.kind == "shutdown":
             return message.payload
         else:  # ping: nothing is in flight on this rank between steps

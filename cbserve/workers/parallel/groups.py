@@ -43,7 +43,7 @@ CAPACITY = 8192  # 64 KiB: a decode step of hundreds of requests; longer steps t
 HEADER = 16
 KIND, LENGTH, SEQUENCE = 0, 1, 2  # header slots of the channel; the rest belong to the message
 PICKLED = HEADER - 1  # slot saying a pickled object follows (kinds other than "step")
-KINDS = ("ping", "step", "setup", "shutdown")
+KINDS = ("ping", "step", "setup", "shutdown", "lora")  # lora: adapters for the next step (lora_slots.py)
 
 
 def data_backend(device: torch.device) -> str:

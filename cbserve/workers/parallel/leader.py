@@ -78,7 +78,13 @@ class BroadcastingRunner:
         kwargs, sampled = self.inner.prepare(batch)
         if self._host is None:
             raise RuntimeError("tensor parallelism: the runner's prepare() did not pass its inputs through _to_device")
-        flat = step_codec.encode(self._host, kwargs["cb_meta"], self.transfers)
+        lora, lora_step = self.inner.lora, None
+        if lora is not None:  # the adapters the step's copies need go first; rows and copies with the step
+            adapters = lora.sync()
+            if adapters is not None:
+                self.groups.send(Message("lora", adapters))
+            lora_step = step_codec.LoraStep(lora.batch.rows, lora.step_copies)
+        flat = step_codec.encode(self._host, kwargs["cb_meta"], self.transfers, lora_step)
         self.transfers, self._host = [], None
         self.groups.send(Message("step", flat))
         return kwargs, sampled
@@ -232,9 +238,11 @@ class TensorParallelLeader:
         """The engine is built: the other ranks allocate the same pages (and host pool) and take
         rank 0's attention kernels; the heartbeat starts."""
         pool = getattr(self, "host_pool", None)
+        lora = self.runner.inner.lora
         self.groups.send(Message("setup", {"num_blocks": cache.num_blocks, "page_size": cache.page_size,
                                            "host_blocks": pool.num_blocks if pool is not None else 0,
-                                           "kernels": self.runner.inner.kernels}))
+                                           "kernels": self.runner.inner.kernels,
+                                           "lora": (lora.max_loras, lora.max_rank) if lora is not None else None}))
         fair_threads = max(1, (os.cpu_count() or 1) // self.world)
         if self.device.type == "cpu" and torch.get_num_threads() > fair_threads:
             logger.warning("%d ranks share %d CPUs and rank 0 uses %d torch threads: oversubscribed threads "

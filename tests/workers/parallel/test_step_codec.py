@@ -60,7 +60,7 @@ def test_every_step_decodes_to_rank_0s_inputs(backend: str) -> None:
     def checking_prepare(batch, in_flight=None):
         kwargs, sampled = prepare(batch, in_flight)
         flat = step_codec.encode(host.pop(), kwargs["cb_meta"], TRANSFERS)
-        decoded, transfers = step_codec.decode(flat, engine.device, engine.cache.k, engine.cache.v, cfg.page_size,
+        decoded, transfers, _ = step_codec.decode(flat, engine.device, engine.cache.k, engine.cache.v, cfg.page_size,
                                                runner.kernels)
         assert transfers == TRANSFERS
         for key in ("input_ids", "position_ids", "logits_to_keep", "use_cache"):
