@@ -292,7 +292,6 @@ class ContinuousBatchingConfig(BaseModel):
             return self
         graphs = self.use_cuda_graph
         refused = {
-            "quantization='auto'": self.quantization != "none",
             "torch.compile (default_compile_level > 0 or a compile config)":
                 bool(self.default_compile_level or self.varlen_compile_config or self.decode_compile_config),
             "use_cuda_graph": any(graphs) if isinstance(graphs, tuple) else bool(graphs),

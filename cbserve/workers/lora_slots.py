@@ -31,19 +31,29 @@ from pathlib import Path
 import torch
 
 from cbserve.errors import InvalidRequestError
-from cbserve.kernels import llama_forward, lora
+from cbserve.kernels import llama_forward, lora, quantized
 from cbserve.workers import lora_adapter
 from cbserve.workers.lora_adapter import LoraAdapter
 
 
 def projections(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str]]:
-    """The projections LoRA adapts: model module name -> (parent module, attribute)."""
+    """The projections LoRA adapts, dense or on quantized blocks (the delta stays in the model's
+    dtype, as llama.cpp applies adapters over quantized weights): model module name -> (parent
+    module, attribute)."""
     found = {}
     for name, module in model.named_modules():
         parent, _, attribute = name.rpartition(".")
-        if attribute in lora_adapter.PROJECTIONS and type(module) is torch.nn.Linear:
+        if attribute in lora_adapter.PROJECTIONS and (type(module) is torch.nn.Linear
+                                                      or isinstance(module, quantized.QuantizedLinear)):
             found[name] = (model.get_submodule(parent), attribute)
     return found
+
+
+def quantized_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tuple[str, ...]]]:
+    """(module, fused attribute, projections) of the q/k/v and gate/up groups that quantization
+    already fused into one module (`quantized.fuse_projections`): the lean forward calls those."""
+    return [(module, fused, parts) for module in model.modules() for fused, parts in llama_forward.FUSED.items()
+            if isinstance(module._modules.get(fused), quantized.QuantizedLinear)]
 
 
 @dataclass
@@ -146,10 +156,11 @@ class LoraSlots:
         names = {id(module): name for name, module in model.named_modules()}
         width = self.max_loras * self.max_rank
         groups, grouped = [], set()
-        specs = list(llama_forward.fused_groups(model)) + [(parent, None, (attr,)) for parent, attr in places.values()]
+        specs = [*llama_forward.fused_groups(model), *quantized_groups(model),
+                 *((parent, None, (attr,)) for parent, attr in places.values())]
         for parent, fused, parts in specs:
             full = tuple(f"{names[id(parent)]}.{part}" for part in parts)
-            if (fused is None and full[0] in grouped) or not set(full) <= places.keys():
+            if set(full) & grouped or not set(full) <= places.keys():
                 continue  # a part of a group already, or a group with a projection LoRA does not adapt
             grouped.update(full)
             linears = [getattr(parent, part) for part in parts]

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve.errors import InvalidRequestError
 from cbserve.workers.factory import build_engine
-from tests.support.exactness import assert_matches_reference
+from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.lora_adapters import (
     ADAPTERS,
     MAX_NEW,
@@ -157,6 +157,36 @@ def test_packed_float32_projections_carry_the_delta(kernel: str, monkeypatch) ->
     assert request.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_adapters_over_quantized_projections(kernel: str, monkeypatch) -> None:
+    """A model on Q8_0 blocks with fused quantized q/k/v and gate/up (what quantization='auto' makes
+    of a GGUF file): the adapters' deltas are added in float32 over the quantized projections, so
+    each request equals PEFT's merged model over the dequantized weights (float32 precision)."""
+    from cbserve.kernels import cpu_kernels, llama_forward, lora, quantized
+    from tests.kernels.test_quantized import _quantized_tiny_llama
+    from tests.support.tiny_models import reference_generate
+
+    if cpu_kernels.unavailable_reason():
+        pytest.skip(f"the quantized kernels are C++: {cpu_kernels.unavailable_reason()}")
+    import peft
+
+    monkeypatch.setenv(lora.KERNEL_ENV, kernel)
+    model, dense = _quantized_tiny_llama("q8_0")
+    assert quantized.fuse_projections(model) == 2 * model.config.num_hidden_layers
+    prompts = random_prompts([3, 40, 17, 9, 25], seed=9)
+    names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+    setup = lambda engine: [engine.load_lora(n, adapter_dir("llama", n)) for n in ADAPTERS]
+    requests, _ = run_engine(model, prompts, lora_config(), max_new=8, setup=setup,
+                             per_request=[{"lora": n} for n in names])
+    assert isinstance(getattr(model.model.layers[0].self_attn, llama_forward.QKV), quantized.QuantizedLinear)
+    refs = []
+    for prompt, name in zip(prompts, names):
+        merged = dense if name is None else peft.PeftModel.from_pretrained(
+            copy.deepcopy(dense), adapter_dir("llama", name)).merge_and_unload()
+        refs.append(reference_generate(merged, prompt, 8))
+    assert_matches_reference(requests, refs, tol=1e-4)
+
+
 def test_broken_delta_is_caught(monkeypatch) -> None:
     """The comparison can fail: without the delta, adapter rows get the base model's outputs."""
     from cbserve.kernels import lora
@@ -241,7 +271,6 @@ def test_lora_needs_enable_lora() -> None:
     ({"default_compile_level": 1}, "torch.compile"),
     ({"batch_invariant": True}, "batch_invariant"),
     ({"node_kv_pool": "pool", "cpu_offload_space": 1.0}, "node_kv_pool"),
-    ({"quantization": "auto"}, "quantization"),
 ])
 def test_config_refusals_name_the_field(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

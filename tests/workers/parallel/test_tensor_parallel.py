@@ -310,7 +310,7 @@ def test_lora_adapters_under_tp2_equal_peft_merged_models(kernel: str, monkeypat
     try:
         for name, folder in folders.items():
             engine.load_lora(name, folder)
-        for wave in (range(0, 5), range(5, 10)):
+        for wave in (range(5), range(5, 10)):
             for i in wave:
                 requests.append(engine.make_request(prompts[i], f"req_{i}", lora=names[i]))
                 engine.add_request(requests[-1])
