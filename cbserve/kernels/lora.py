@@ -14,12 +14,14 @@ column-parallel projection's `b_t` columns, a row-parallel one's `a` columns. A 
 projection's delta is then a partial sum, like its base output: it is all-reduced over the ranks
 (`group`) before it is added to the base output, which its own hook has already reduced.
 
-Two ways to add the deltas, each row's own adapter only:
+Three ways to add the deltas, each row's own adapter only:
 - the C++ kernel on CPUs (`csrc/lora_cpu.cpp`): each row shrunk and expanded through its slot's
   columns alone (a segmented GEMV, as Punica's SGMV), P parts in one pass;
-- elsewhere (a GPU, a dtype the kernel lacks, or `$CBSERVE_LORA_KERNEL=torch`): two GEMMs over all
-  slots' columns with the other slots' columns masked to exact zeros, ((x @ a.T) * mask) @ b_t, whose
-  cost grows with S * r. On CPUs the kernel is what makes 8 adapters cheap (bench/lora.py).
+- the Triton kernel on GPUs (`triton_lora.py`): the same contract, rows sorted by slot on the device
+  and taken 16 at a time through their slot's factors;
+- elsewhere (a dtype the kernels lack, no Triton, or `$CBSERVE_LORA_KERNEL=torch`): two GEMMs over
+  all slots' columns with the other slots' columns masked to exact zeros, ((x @ a.T) * mask) @ b_t,
+  whose cost grows with S * r. On CPUs the kernel is what makes 8 adapters cheap (bench/lora.py).
 """
 
 from __future__ import annotations
@@ -29,19 +31,30 @@ import threading
 
 import torch
 
-KERNEL_ENV = "CBSERVE_LORA_KERNEL"  # "torch": the masked GEMMs even where the C++ kernel runs
+KERNEL_ENV = "CBSERVE_LORA_KERNEL"  # auto; torch: the masked GEMMs; triton: Triton (its interpreter on a CPU)
+KERNELS = ("auto", "torch", "triton")
 
 
-def cpp_kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether adapted projections on `device` in `dtype` add their deltas with the C++ kernel."""
+def delta_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """Which way adapted projections on `device` in `dtype` add their deltas: "cpp", "triton" or
+    "torch" (the masked GEMMs)."""
     choice = os.environ.get(KERNEL_ENV, "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"${KERNEL_ENV} must be auto or torch, got {choice!r}")
-    if choice == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        return False
+    if choice not in KERNELS:
+        raise ValueError(f"${KERNEL_ENV} must be one of {', '.join(KERNELS)}, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    if choice == "triton" or device.type == "cuda":
+        from cbserve.kernels import triton_lora
+
+        reason = triton_lora.unavailable_reason()
+        if choice == "triton" and reason:
+            raise ValueError(f"${KERNEL_ENV}=triton: {reason}")
+        return "torch" if reason else "triton"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return "torch"
     from cbserve.kernels import cpu_kernels
 
-    return not cpu_kernels.unavailable_reason()
+    return "torch" if cpu_kernels.unavailable_reason() else "cpp"
 
 
 class LoraBatch:
@@ -89,8 +102,9 @@ class LoraLinear(torch.nn.Module):
         self.reduce_group = reduce_group  # a row-parallel shard's process group: its delta is a partial sum
         self.a, self.b_t = a, b_t
         self.part_ends = part_ends
-        self._ends = torch.tensor(part_ends, dtype=torch.long)
-        self.cpp = cpp_kernel_usable(a.device, a.dtype)
+        self.kernel = delta_kernel(a.device, a.dtype)
+        # The Triton kernel reads the part ends on the device (no copy per call, capturable in a graph).
+        self._ends = torch.tensor(part_ends, dtype=torch.long, device=a.device if self.kernel == "triton" else "cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -110,10 +124,15 @@ class LoraLinear(torch.nn.Module):
         return y
 
     def _add_delta(self, y2: torch.Tensor, x2: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.cpp:
+        if self.kernel == "cpp":
             from cbserve.kernels import cpu_kernels
 
             cpu_kernels.lora_delta_(y2, x2.contiguous(), self.a, self.b_t, rows, self._ends, self.batch.rank)
+            return
+        if self.kernel == "triton":
+            from cbserve.kernels import triton_lora
+
+            triton_lora.lora_delta_(y2, x2, self.a, self.b_t, rows, self._ends, self.batch.rank)
             return
         width = self.batch.slots * self.batch.rank
         h = (x2 @ self.a.T).view(x2.shape[0], -1, width) * self.batch.mask(x2.dtype)[:, None, :]

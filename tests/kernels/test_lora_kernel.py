@@ -106,11 +106,11 @@ def test_masked_gemms_add_each_rows_own_delta(kind: str, monkeypatch) -> None:
             return y.clone().view(1, *y.shape)
 
     layer = lora.LoraLinear(Base(), a, b_t, ends, batch)
-    assert not layer.cpp
+    assert layer.kernel == "torch"
     batch.rows = slots
     _close(layer(x.view(1, *x.shape))[0], _definition(y, x, a, b_t, slots, ends), torch.float64)
     batch.rows = None
     assert torch.equal(layer(x.view(1, *x.shape))[0], y)  # no adapter rows: the base projection alone
     monkeypatch.setenv(lora.KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match=lora.KERNEL_ENV):
-        lora.cpp_kernel_usable(torch.device("cpu"), torch.float32)
+        lora.delta_kernel(torch.device("cpu"), torch.float32)

@@ -130,7 +130,7 @@ def test_equals_lora_linears_masked_gemms(monkeypatch) -> None:
     base = torch.nn.Linear(IN, ends[-1], dtype=torch.float64)
     batch = lora.LoraBatch(SLOTS, RANK)
     layer = lora.LoraLinear(base, a, b_t, ends, batch)
-    assert not layer.cpp
+    assert layer.kernel == "torch"
     batch.rows = slots
     with torch.no_grad():
         want = layer(x.view(1, *x.shape))[0]
@@ -150,3 +150,22 @@ def test_kernel_refuses_bad_arguments() -> None:
         tl_lora.lora_delta_(y, x.double(), a, b_t, slots, torch.tensor(ends), RANK)
     with pytest.raises(ValueError, match="slots x rank"):
         tl_lora.lora_delta_(y, x, a, b_t, slots, torch.tensor(ends), 3)
+
+
+def test_engine_with_triton_deltas_equals_peft_merged_models(monkeypatch) -> None:
+    """The engine's adapted projections on the Triton kernel (`$CBSERVE_LORA_KERNEL=triton`; the
+    interpreter here): mixed adapter and base rows, chunked prefill, equal to PEFT's merged models."""
+    pytest.importorskip("peft")
+    from tests.support.lora_adapters import NAMES
+    from tests.support.tiny_models import random_prompts
+    from tests.workers.test_lora import check, lora_config, run
+
+    monkeypatch.setenv(lora.KERNEL_ENV, "triton")
+    calls = []
+    kernel = tl_lora.lora_delta_
+    monkeypatch.setattr(tl_lora, "lora_delta_", lambda *args: calls.append(1) or kernel(*args))
+    prompts = random_prompts([3, 40, 17, 9, 25], seed=3)
+    names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+    requests, _ = run("llama", prompts, names, lora_config(), max_new=4)
+    check("llama", requests, prompts, names, max_new=4)
+    assert calls  # the deltas went through the Triton kernel

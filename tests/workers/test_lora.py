@@ -141,7 +141,7 @@ def test_packed_float32_projections_carry_the_delta(kernel: str, monkeypatch) ->
         for wrapped in (getattr(attn, llama_forward.QKV), attn.o_proj, getattr(model.model.layers[0].mlp,
                                                                                 llama_forward.GATE_UP)):
             assert type(wrapped).__name__ == "LoraLinear" and type(wrapped.base).__name__ == "PackedLinear"
-            assert wrapped.cpp == (kernel == "auto")
+            assert wrapped.kernel == ("cpp" if kernel == "auto" else "torch")
         assert type(attn.q_proj) is torch.nn.Linear  # transformers' forward outside the engine: untouched
         prompt = random_prompts([20], seed=8)[0]
         request = engine.make_request(prompt, "r", max_new_tokens=1, lora="all")
