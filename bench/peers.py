@@ -6,7 +6,8 @@ its venv's Python (`make peers` installs it into .venv-vllm):
 - offline: vLLM's `LLM.generate` vs cbserve's manager with its default config
   (`init_continuous_batching` + `add_request`, what users run); optionally `cbserve_sized`, the
   `EngineCore` that bench/throughput.py sizes for each workload, `cbserve_gguf`, the manager on the
-  GGUF file's own quantized blocks (quantization='auto'), and `llamacpp`, llama-cpp-python on the
+  GGUF file's own quantized blocks (quantization='auto'), `cbserve_int8`, the manager on the dense
+  weights quantized at load (quantization='int8'), and `llamacpp`, llama-cpp-python on the
   same GGUF file (`make peers-llamacpp`; one request at a time, as its Python API runs them). Workloads (bench/common.py):
   mixed (64 requests, prompts 16-256, outputs 8-128), decode (128 x 16 -> 128), long
   (16 x 2,000 -> 64), shared (a 512-token system prompt; prefix caching on for both), single (one
@@ -54,7 +55,8 @@ DEFAULT_PEER_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
 RESULTS = ROOT / "bench" / "results"
 PEER = "vllm"
-OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "llamacpp", "cbserve_ngram", "vllm_ngram")
+OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "cbserve_int8", "llamacpp", "cbserve_ngram",
+                   "vllm_ngram")
 # Speculative decoding, n-gram prompt lookup, the same settings on both (vLLM's field names).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 VLLM_ENGINES = (PEER, "vllm_ngram")  # run in vLLM's venv
@@ -139,7 +141,8 @@ def run_child(python: Path, job: dict[str, Any], env: dict[str, str], log: Path,
 def worker_main(job_path: Path, out_path: Path) -> int:
     job = json.loads(job_path.read_text())
     run = {"cbserve": offline_cbserve, "vllm": offline_vllm, "cbserve_sized": offline_cbserve_sized,
-           "cbserve_gguf": offline_cbserve, "llamacpp": offline_llamacpp, "cbserve_ngram": offline_cbserve,
+           "cbserve_gguf": offline_cbserve, "cbserve_int8": offline_cbserve, "llamacpp": offline_llamacpp,
+           "cbserve_ngram": offline_cbserve,
            "vllm_ngram": offline_vllm}[job["engine"]]
     out_path.write_text(json.dumps(run(job)))
     return 0
@@ -198,8 +201,8 @@ def _load_cbserve(job: dict[str, Any]) -> tuple[Any, int | None]:
 
 def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     """The manager as a user builds it: default ContinuousBatchingConfig, no workload hints
-    (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks; `cbserve_ngram`: speculative
-    decoding, NGRAM)."""
+    (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks; `cbserve_int8`:
+    quantization='int8'; `cbserve_ngram`: speculative decoding, NGRAM)."""
     from throughput import greedy_config
 
     import cbserve
@@ -208,7 +211,7 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     model, pad = _load_cbserve(job)
     longest = max(n for work in job["workloads"] for n in work["lengths"])
     config = cbserve.ContinuousBatchingConfig(
-        quantization="auto" if job["engine"] == "cbserve_gguf" else "none",
+        quantization={"cbserve_gguf": "auto", "cbserve_int8": "int8"}.get(job["engine"], "none"),
         speculative=NGRAM if job["engine"] == "cbserve_ngram" else None)
     manager = cbserve.init_continuous_batching(model, greedy_config(longest, pad), config)
     manager.start()

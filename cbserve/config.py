@@ -134,10 +134,12 @@ class ContinuousBatchingConfig(BaseModel):
         None, description="linear weights packed once for oneDNN on a CPU (a second copy while the engine "
         "runs; faster GEMMs); None: on for float32 CPU models without torch.compile"
     )
-    quantization: Literal["none", "auto"] = Field(
+    quantization: Literal["none", "auto", "int8"] = Field(
         "none", description="auto: a model loaded from a GGUF file (cbserve.load_model) runs its Q8_0 / Q4_0 / "
         "Q4_1 linear layers and embedding on the file's own blocks (kernels/quantized.py; replaced in the model, "
-        "in place), other tensors stay dense; none: dense weights as loaded"
+        "in place), other tensors stay dense; int8: any model's linear layers quantized at load to int8 weights "
+        "with a float16 scale per block of 32 (GGUF's Q8_0 layout; weight-only, activations stay in the model's "
+        "dtype), in place; none: dense weights as loaded"
     )
     speculative: SpeculativeConfig | None = Field(
         None, description="speculative decoding (a SpeculativeConfig or a dict of its fields); None: off. A request "

@@ -3,10 +3,14 @@ file stores them: 34, 18 or 20 bytes per 32 weights instead of 64 in bfloat16.
 
 - `QuantizedLinear`: calls of up to `GEMV_ROWS` rows (decode) run the C++ kernel
   (`csrc/quant_linear_cpu.cpp`), which dequantizes each block in registers and reads the weights'
-  bytes once per call: a decode step is bound by those bytes on a CPU. Larger calls (prefill, which
-  is bound by arithmetic) dequantize the matrix for that call and multiply it densely (oneDNN), so
-  a prompt runs at the dense kernels' speed. `batch_invariant`: the C++ kernel for every row count.
+  bytes once per call: a decode step is bound by those bytes on a CPU. Larger calls (prefill and
+  large decode batches, bound by arithmetic) dequantize a cache-sized tile of output features at a
+  time and multiply the whole input by it with a GEMM in the input's dtype, so they run near the
+  dense kernels' speed without a dequantized copy of the matrix. `batch_invariant`: the C++ kernel for every row
+  count.
 - `QuantizedEmbedding`: the rows of the looked-up tokens, dequantized.
+- `quantize_dense(model)`: a dense model's linear layers quantized at load (`quantization='int8'`:
+  Q8_0 blocks, int8 weights with a float16 scale per 32).
 - `quantize_from_gguf(model, path)`: swaps a model's linear layers (and its input embedding) for
   these, from the GGUF file the model was dequantized from. Each swapped weight is first checked
   to dequantize to exactly the model's dense weight (catches a name or layout mismatch); a tensor
@@ -30,8 +34,9 @@ logger = logging.getLogger(__name__)
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 GGUF_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
-# Up to how many rows a call runs the C++ kernel (decode-sized); above, dequantize + oneDNN.
-GEMV_ROWS = 8
+# Up to how many rows a call runs the C++ kernel (decode-sized); above, the tiled GEMMs (measured
+# crossover on an AVX-512 Zen 4: ~16 rows in bfloat16, about even in float32).
+GEMV_ROWS = 16
 # The attribute `models.load_model` sets on a model loaded from a GGUF file: that file's path.
 GGUF_SOURCE = "cb_gguf_file"
 
@@ -126,7 +131,9 @@ class QuantizedLinear(torch.nn.Module):
         if rows <= GEMV_ROWS or self.batch_invariant:
             y = torch.ops.cbserve_cpu.quant_linear(x.float(), self.blocks, self.fmt, self.bias, self.isa)
             return y.to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.cbserve_cpu.quant_linear_tiled(x, self.blocks, self.fmt, self.bias, self.isa)
+        bias = None if self.bias is None else self.bias.to(x.dtype)  # e.g. float64: the weights whole
         return torch.nn.functional.linear(x, self.dense_weight().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
@@ -219,6 +226,34 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
     if kept:
         logger.info("quantization 'auto': %d layers kept dense: %s", len(kept), ", ".join(kept))
     logger.info("quantization 'auto': %d layers run on %s's own blocks", replaced, Path(gguf_path).name)
+    return replaced
+
+
+def quantize_dense(model: torch.nn.Module, fmt: str = "q8_0", batch_invariant: bool = False) -> int:
+    """quantization='int8': `model`'s dense linear layers quantized to `fmt` blocks at load, in place
+    (a tied input embedding shares the head's blocks); layers whose in_features is not a multiple of
+    32 stay dense. Returns how many layers were replaced."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    replaced, kept = 0, []
+    for module_name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear:
+            continue
+        if module.in_features % BLOCK:
+            kept.append(module_name)
+            continue
+        new = QuantizedLinear.from_linear(module, fmt, batch_invariant)
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replaced += 1
+        if tied and module is head and type(embedding) is torch.nn.Embedding:
+            model.set_input_embeddings(QuantizedEmbedding(new.blocks, fmt, embedding.embedding_dim,
+                                                          embedding.weight.dtype, embedding.padding_idx))
+    fuse_projections(model)
+    if kept:
+        logger.info("quantization to %s: %d layers kept dense (in_features not a multiple of %d): %s",
+                    fmt, len(kept), BLOCK, ", ".join(kept))
     return replaced
 
 

@@ -63,8 +63,8 @@ def build_engine(
 
 def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, workload: Workload,
                 parallel: TensorParallelLeader | None = None) -> EngineParts:
-    if config.quantization == "auto":
-        quantize_model(model, config.batch_invariant)
+    if config.quantization != "none":
+        quantize_model(model, config.quantization, config.batch_invariant)
     shape = ModelShape.from_model(model)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
@@ -131,18 +131,23 @@ def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dic
             "adaptive_lookahead": spec.num_speculative_tokens_schedule == "heuristic"}
 
 
-def quantize_model(model: torch.nn.Module, batch_invariant: bool | None) -> None:
-    """quantization='auto': the GGUF file's own blocks in place of the model's dense layers."""
+def quantize_model(model: torch.nn.Module, quantization: str, batch_invariant: bool | None) -> None:
+    """The model's dense layers replaced by quantized ones, in place: 'auto', the GGUF file's own
+    blocks; 'int8', the dense weights quantized to Q8_0 blocks."""
     from cbserve.kernels import quantized
 
+    if any(isinstance(m, quantized.QuantizedLinear) for m in model.modules()):
+        return  # quantized by an earlier engine on this model
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPUs only (the quantized kernels are C++ for "
+                         "x86-64)")
+    if quantization == "int8":
+        quantized.quantize_dense(model, "q8_0", bool(batch_invariant))
+        return
     gguf = getattr(model, quantized.GGUF_SOURCE, None)
     if gguf is None:
-        if any(isinstance(m, quantized.QuantizedLinear) for m in model.modules()):
-            return  # quantized by an earlier engine on this model
         raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
                          f"(this {type(model).__name__} has no GGUF source)")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("quantization='auto' runs on CPUs only (the quantized kernels are C++ for x86-64)")
     quantized.quantize_from_gguf(model, gguf, bool(batch_invariant))
     delattr(model, quantized.GGUF_SOURCE)
 

@@ -72,6 +72,29 @@ def test_kernel_matches_the_reference_and_is_batch_invariant(fmt: str, isa: str)
     assert torch.allclose(no_bias + bias, y[:3], atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_op_matches_the_reference(fmt: str, isa: str) -> None:
+    """Calls of many rows: tiles of output features dequantized and multiplied by GEMMs (here K = 2048
+    makes 64-row tiles: 3 tiles, the last one ragged), in float32 and bfloat16, under no_grad and
+    under inference mode (the tasks' threads write an inference tensor)."""
+    isa = _path(isa)
+    torch.manual_seed(1)
+    n, k = 150, 2048
+    blocks, bias = quantize(torch.randn(n, k) / 8, fmt), torch.randn(n)
+    dense = dequantize(blocks, fmt, k)
+    x = torch.randn(2, 13, k)
+    expected = x.double() @ dense.double().T + bias.double()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            y = torch.ops.cbserve_cpu.quant_linear_tiled(x, blocks, fmt, bias, isa)
+            assert y.shape == (2, 13, n) and y.dtype == torch.float32
+            assert (y.double() - expected).abs().max().item() < 1e-4
+            y16 = torch.ops.cbserve_cpu.quant_linear_tiled(x.bfloat16(), blocks, fmt, None, isa)
+            want16 = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16())
+            assert y16.dtype == torch.bfloat16 and torch.allclose(y16.float(), want16.float(), rtol=2e-2, atol=5e-2)
+
+
 def test_kernel_refuses_what_it_cannot_run() -> None:
     blocks = quantize(torch.randn(8, 64), "q8_0")
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -87,7 +110,7 @@ def test_layer_runs_every_row_count_in_the_input_dtype(dtype: torch.dtype) -> No
     linear = torch.nn.Linear(96, 24)
     layer = QuantizedLinear.from_linear(linear, "q4_1")
     dense = dequantize(layer.blocks, "q4_1", 96)
-    for rows in (1, quantized.GEMV_ROWS, quantized.GEMV_ROWS + 1, 40):  # kernel, then dequantize + dense
+    for rows in (1, quantized.GEMV_ROWS, quantized.GEMV_ROWS + 1, 40):  # the kernel, then the tiled GEMMs
         x = torch.randn(2, rows, 96).to(dtype)
         y = layer(x)
         assert y.dtype == dtype and y.shape == (2, rows, 24)
@@ -133,12 +156,47 @@ def test_engine_on_quantized_layers_matches_transformers_on_their_values(fmt: st
         assert request.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases, left unfused
+def test_quantization_int8_runs_a_dense_model_on_q8_0_blocks(arch: str) -> None:
+    """`quantization='int8'`: every linear layer quantized at load; the engine equals transformers
+    on the same weights quantized and dequantized by the reference."""
+    model = tiny_model(arch, torch.float32)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in reference.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(dequantize(quantize(module.weight, "q8_0"), "q8_0", module.in_features))
+    prompts = random_prompts([5, 17, 40, 9], seed=2)
+    refs = [reference_generate(reference, p, 10) for p in prompts]
+    config = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64, return_logprobs=True, quantization="int8")
+    requests, _ = run_engine(model, prompts, config, max_new=10)
+    for request, (tokens, logprobs) in zip(requests, refs):
+        assert request.generated == tokens
+        assert request.logprobs == pytest.approx(logprobs, abs=1e-5)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert {m.fmt for m in model.modules() if isinstance(m, QuantizedLinear)} == {"q8_0"}
+
+
+def test_quantization_int8_shares_a_tied_heads_blocks() -> None:
+    model = tiny_model("llama", torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[3, 9, 1]])
+    want = dequantize(quantize(model.lm_head.weight, "q8_0"), "q8_0", model.config.hidden_size)[ids]
+    assert quantized.quantize_dense(model) == 7 * model.config.num_hidden_layers + 1
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.model.embed_tokens.blocks is model.lm_head.blocks
+    assert torch.equal(model.model.embed_tokens(ids), want)
+
+
 def test_quantization_auto_needs_a_gguf_source_and_one_rank() -> None:
     model = tiny_model("llama", torch.float32)
     with pytest.raises(ValueError, match="quantization='auto' needs a model loaded from a GGUF file"):
         run_engine(model, [[5, 6, 7]], cbserve.ContinuousBatchingConfig(quantization="auto", num_blocks=8))
-    with pytest.raises(ValueError, match="quantization='auto' works with tp_size=1 only"):
-        cbserve.ContinuousBatchingConfig(quantization="auto", tp_size=2)
+    for quantization in ("auto", "int8"):
+        with pytest.raises(ValueError, match=f"quantization='{quantization}' works with tp_size=1 only"):
+            cbserve.ContinuousBatchingConfig(quantization=quantization, tp_size=2)
     with pytest.raises(ValueError, match="quantization"):
         cbserve.ContinuousBatchingConfig(quantization="int4")
 

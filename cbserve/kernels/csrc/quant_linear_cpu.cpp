@@ -18,11 +18,14 @@
 // per call while the call's input rows stay in cache (decode: bound by the weights' bytes, which
 // are 4-7x fewer than bfloat16's).
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -250,6 +253,14 @@ CB_AVX2 __attribute__((flatten)) void rows_avx2(const Args& a, int64_t n0, int64
 }
 
 template <Fmt F>
+CB_AVX2 __attribute__((flatten)) void dequant_rows_avx2(const uint8_t* src, float* dst, int64_t b0, int64_t b1) {
+  for (int64_t i = b0; i < b1; ++i) {
+#pragma GCC unroll 4
+    for (int part = 0; part < 4; ++part) _mm256_storeu_ps(dst + i * 32 + 8 * part, dequant256<F>(src + i * block_bytes(F), part));
+  }
+}
+
+template <Fmt F>
 CB_AVX512 __attribute__((flatten)) void dequant_rows_avx512(const uint8_t* src, float* dst, int64_t b0, int64_t b1) {
   for (int64_t i = b0; i < b1; ++i) {
     __m512 lo, hi;
@@ -321,7 +332,24 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& blocks, const
   return y;
 }
 
-// The float32 values of the blocks: [rows, K] (every path gives the same values).
+// Blocks [b0, b1) of `src` dequantized into dst[i * 32, + 32) (every path gives the same values).
+void dequant_range(Fmt f, const std::string& isa, const uint8_t* src, float* dst, int64_t b0, int64_t b1) {
+#if CB_X86
+  if (isa == "avx512") {
+    if (f == Fmt::q8_0) return dequant_rows_avx512<Fmt::q8_0>(src, dst, b0, b1);
+    if (f == Fmt::q4_0) return dequant_rows_avx512<Fmt::q4_0>(src, dst, b0, b1);
+    return dequant_rows_avx512<Fmt::q4_1>(src, dst, b0, b1);
+  }
+  if (isa == "avx2") {
+    if (f == Fmt::q8_0) return dequant_rows_avx2<Fmt::q8_0>(src, dst, b0, b1);
+    if (f == Fmt::q4_0) return dequant_rows_avx2<Fmt::q4_0>(src, dst, b0, b1);
+    return dequant_rows_avx2<Fmt::q4_1>(src, dst, b0, b1);
+  }
+#endif
+  for (int64_t i = b0; i < b1; ++i) dequant_block(f, src + i * block_bytes(f), dst + i * 32);
+}
+
+// The float32 values of the blocks: [rows, K].
 at::Tensor dequantize_blocks(const at::Tensor& blocks, const std::string& format, int64_t k, const std::string& isa) {
   const Fmt f = parse_format(format);
   TORCH_CHECK(cpu_has(isa), "cbserve_cpu dequantize_blocks: this CPU lacks the instruction set of path '", isa, "'");
@@ -329,18 +357,65 @@ at::Tensor dequantize_blocks(const at::Tensor& blocks, const std::string& format
   at::Tensor out = at::empty({blocks.size(0), k}, blocks.options().dtype(at::kFloat));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  const int64_t nb = k / 32;
-  at::parallel_for(0, blocks.size(0) * nb, 1024, [&](int64_t begin, int64_t end) {
-#if CB_X86
-    if (isa == "avx512") {
-      if (f == Fmt::q8_0) return dequant_rows_avx512<Fmt::q8_0>(src, dst, begin, end);
-      if (f == Fmt::q4_0) return dequant_rows_avx512<Fmt::q4_0>(src, dst, begin, end);
-      return dequant_rows_avx512<Fmt::q4_1>(src, dst, begin, end);
-    }
-#endif
-    for (int64_t i = begin; i < end; ++i) dequant_block(f, src + i * block_bytes(f), dst + i * 32);
+  at::parallel_for(0, blocks.size(0) * (k / 32), 1024, [&](int64_t begin, int64_t end) {
+    dequant_range(f, isa, src, dst, begin, end);
   });
   return out;
+}
+
+// y [M, N] = x [M, K] . dequant(blocks)^T + bias for calls of many rows (prefill, large decode
+// batches), where the per-row kernel's arithmetic would dominate: each task dequantizes a tile of
+// output features into a buffer of its own, small enough to stay in cache, and multiplies the whole
+// input by it with one GEMM in the input's dtype (float32, or bfloat16: the tile rounded to
+// bfloat16 as a dense bfloat16 model's weights are). The weights are never dequantized whole (a
+// per-call float32 copy of the default model's 49k-row head cost ~34 ms of writes and page faults).
+at::Tensor quant_linear_tiled(const at::Tensor& input, const at::Tensor& blocks, const std::string& format,
+                              const std::optional<at::Tensor>& bias, const std::string& isa) {
+  const Fmt f = parse_format(format);
+  TORCH_CHECK(cpu_has(isa), "cbserve_cpu quant_linear_tiled: this CPU lacks the instruction set of path '", isa, "'");
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && input.device().is_cpu(),
+              "cbserve_cpu quant_linear_tiled: float32 or bfloat16 CPU input");
+  const int64_t k = input.size(-1), n = blocks.size(0);
+  check_blocks(blocks, f, k);
+  const at::Tensor x = input.reshape({-1, k}).contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const int64_t nb = k / 32;
+  // A tile: ~512 KiB of weights in the GEMM's dtype, a multiple of 16 rows; bfloat16 tiles are
+  // dequantized 16 rows at a time through a small float32 buffer.
+  const int64_t tile = std::max<int64_t>(16, (512 * 1024 / x.element_size() / std::max<int64_t>(k, 1)) / 16 * 16);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  if (y.numel()) {
+    const at::ThreadLocalState caller;  // inference / grad mode: the tasks' GEMMs write `y` as the caller would
+    at::parallel_for(0, (n + tile - 1) / tile, 1, [&](int64_t t0, int64_t t1) {
+      const at::ThreadLocalStateGuard mode(caller);
+      const bool f32 = dtype == at::kFloat;
+      at::Tensor w = at::empty({tile, k}, x.options());
+      at::Tensor w32 = f32 ? w : at::empty({16, k}, x.options().dtype(at::kFloat));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * tile, rows = std::min(tile, n - n0);
+        const uint8_t* tile_src = src + n0 * nb * block_bytes(f);
+        if (f32) {
+          dequant_range(f, isa, tile_src, w.data_ptr<float>(), 0, rows * nb);
+        } else {
+          for (int64_t r = 0; r < rows; r += 16) {
+            const int64_t part = std::min<int64_t>(16, rows - r);
+            dequant_range(f, isa, tile_src + r * nb * block_bytes(f), w32.data_ptr<float>(), 0, part * nb);
+            w.narrow(0, r, part).copy_(w32.narrow(0, 0, part));
+          }
+        }
+        at::Tensor out = y.narrow(1, n0, rows);
+        at::mm_out(out, x, w.narrow(0, 0, rows).t());
+      }
+    });
+  }
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "cbserve_cpu quant_linear_tiled: bias [out_features]");
+    y.add_(bias->to(dtype));
+  }
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = n;
+  return y.view(shape);
 }
 
 bool quant_isa_available(const std::string& isa) { return cpu_has(isa); }
@@ -351,4 +426,5 @@ TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("quant_isa_available(str isa) -> bool", &quant_isa_available);
   m.def("quant_linear(Tensor input, Tensor blocks, str format, Tensor? bias, str isa) -> Tensor", &quant_linear);
   m.def("dequantize_blocks(Tensor blocks, str format, int k, str isa) -> Tensor", &dequantize_blocks);
+  m.def("quant_linear_tiled(Tensor input, Tensor blocks, str format, Tensor? bias, str isa) -> Tensor", &quant_linear_tiled);
 }
