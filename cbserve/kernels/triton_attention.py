@@ -27,15 +27,8 @@ import math
 
 import torch
 
-try:  # triton is optional (CPU-only installs, macOS...)
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-    _IMPORT_ERROR = ""
-except (ImportError, OSError, RuntimeError) as exc:  # missing, or a broken install
-    TRITON_AVAILABLE = False
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+from cbserve.kernels.triton_import import IMPORT_ERROR as _IMPORT_ERROR
+from cbserve.kernels.triton_import import TRITON_AVAILABLE, tl, triton
 
 __all__ = ["TRITON_AVAILABLE", "paged_decode_attention", "store_kv", "varlen_paged_attention"]
 
