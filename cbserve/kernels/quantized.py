@@ -5,9 +5,8 @@ file stores them: 34, 18 or 20 bytes per 32 weights instead of 64 in bfloat16.
   (`csrc/quant_linear_cpu.cpp`), which dequantizes each block in registers and reads the weights'
   bytes once per call: a decode step is bound by those bytes on a CPU. Larger calls (prefill and
   large decode batches, bound by arithmetic) dequantize a cache-sized tile of output features at a
-  time and multiply the whole input by it with a GEMM in the input's dtype, so they run near the
-  dense kernels' speed without a dequantized copy of the matrix. `batch_invariant`: the C++ kernel for every row
-  count.
+  time and multiply the whole input by it with a GEMM in the input's dtype (no dequantized copy of
+  the matrix is made). `batch_invariant`: the C++ kernel for every row count.
 - `QuantizedEmbedding`: the rows of the looked-up tokens, dequantized.
 - `quantize_dense(model)`: a dense model's linear layers quantized at load (`quantization='int8'`:
   Q8_0 blocks, int8 weights with a float16 scale per 32).
