@@ -25,6 +25,9 @@ class NgramProposer:
         when no n-gram of the configured sizes recurs."""
         return self.lookup(request.tokens, limit)
 
+    def distributions(self, request_id: str) -> None:
+        """A lookup is deterministic: point masses."""
+
     def forget(self, request_id: str) -> None:
         """No state per request."""
 

@@ -30,7 +30,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from cbserve.outputs import FinishReason, RequestStatus
 from cbserve.scheduler.block_manager import BlockManager
@@ -47,6 +47,10 @@ class Proposer(Protocol):
 
     def propose(self, request: Request, limit: int) -> list[int]: ...
 
+    def distributions(self, request_id: str) -> Any:
+        """The distributions ([len(proposal), vocab] tensor) the last proposal for the request
+        was drawn from; None: point masses (a deterministic proposer, or a greedy request)."""
+
     def forget(self, request_id: str) -> None: ...
 
 
@@ -60,6 +64,8 @@ class ScheduledRequest:
     # Speculative decoding: tokens proposed to follow the request's last one, in the chunk after
     # it (num_query_tokens = 1 + len(draft)); each of their rows' logits is verified.
     draft: list[int] = field(default_factory=list)
+    # The distributions the draft was drawn from (a tensor [len(draft), vocab]); None: point masses.
+    draft_probs: Any = None
 
     def __post_init__(self) -> None:
         self.sample = self.sample and self.request.pooling is None
@@ -198,7 +204,9 @@ class Scheduler:
             if draft:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(draft)
-            batch.append(ScheduledRequest(request, num, num >= request.num_pending, draft))
+            probs = self.proposer.distributions(request.request_id) if draft else None
+            probs = probs[: len(draft)] if probs is not None else None
+            batch.append(ScheduledRequest(request, num, num >= request.num_pending, draft, probs))
             self.shares.charge(request, num)
             limits.take(request, num)
             scheduled.add(id(request))

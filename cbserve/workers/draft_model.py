@@ -1,6 +1,10 @@
 """Draft-model proposals for speculative decoding: a smaller model of the same tokenizer
-continues each speculating request greedily for a few tokens; the target verifies them in its
-own step (`workers/speculative.py`).
+continues each speculating request for a few tokens; the target verifies them in its own step
+(`workers/speculative.py`). A greedy request's proposals are the draft's argmax tokens; a sampled
+request's are drawn from the draft's distribution q under the request's temperature, top-k, top-p
+and min-p, and q goes to the verifier (`distributions`), whose rule accepts with min(1, p / q):
+when the draft is close to the target most sampled proposals pass, where argmax proposals would
+pass only with the target's probability of each.
 
 The draft keeps a `transformers` KV cache per request, beside the engine's paged cache (small:
 a draft model's layers and few requests, speculation being off from `disable_by_batch_size`
@@ -18,6 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from cbserve.config import SpeculativeConfig
 from cbserve.scheduler.request import Request
+from cbserve.workers.speculative import draw, target_distribution
 
 
 class DraftModelProposer:
@@ -28,6 +33,10 @@ class DraftModelProposer:
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # request id -> (the draft's cache, the token ids whose K/V it holds)
         self._caches: dict[str, tuple[DynamicCache, list[int]]] = {}
+        self._probs: dict[str, torch.Tensor] = {}  # a sampled request's last proposal's q rows
+        self._seeded: dict[str, torch.Generator] = {}  # a seeded request's draws: reproducible
+        self._generator = torch.Generator()
+        self._generator.seed()
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target: torch.nn.Module) -> DraftModelProposer:
@@ -59,18 +68,44 @@ class DraftModelProposer:
             common = _common_prefix(held, tokens, len(tokens) - 1)  # the last token is always fed
             if common < len(held):
                 cache.crop(common - len(held))  # a negative count: that many entries dropped from the end
-        feed, proposal = tokens[common:], []
+        feed, proposal, rows = tokens[common:], [], []
         device = next(self.model.parameters()).device
+        params = request.sampling
         for _ in range(k):
             logits = self.model(input_ids=torch.tensor([feed], device=device), **{self._cache_arg: cache},
-                                use_cache=True, logits_to_keep=1).logits
-            proposal.append(int(logits[0, -1].argmax()))
+                                use_cache=True, logits_to_keep=1).logits[0, -1:]
+            if params.greedy:
+                proposal.append(int(logits.argmax()))
+            else:
+                q = target_distribution(logits.cpu() if logits.dtype == torch.float64 else logits.float().cpu(),
+                                        params).softmax(dim=-1)[0]
+                proposal.append(draw(q, self._generator_of(request)))
+                rows.append(q)
             feed = proposal[-1:]
         self._caches[request.request_id] = (cache, tokens + proposal[:-1])  # the last proposal was not fed
+        if rows:
+            self._probs[request.request_id] = torch.stack(rows)
+        else:
+            self._probs.pop(request.request_id, None)
         return proposal
+
+    def distributions(self, request_id: str) -> torch.Tensor | None:
+        return self._probs.get(request_id)
 
     def forget(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
+        self._probs.pop(request_id, None)
+        self._seeded.pop(request_id, None)
+
+    def _generator_of(self, request: Request) -> torch.Generator:
+        """A seeded request's proposals come from a generator of its own (seeded apart from the
+        target's draws), so its output is reproducible; the others share one."""
+        seed = request.sampling.seed
+        if seed is None:
+            return self._generator
+        if request.request_id not in self._seeded:
+            self._seeded[request.request_id] = torch.Generator().manual_seed((seed + 0x5EED) % 2**63)
+        return self._seeded[request.request_id]
 
 
 def _common_prefix(a: list[int], b: list[int], most: int) -> int:

@@ -382,7 +382,7 @@ class EngineCore:
                 add_hidden_states(self.runner.hidden, self.runner.pool_chunks)
             if num_rows > len(requests):  # some requests verify proposed tokens
                 result = sample_with_drafts(self.sampler, logits[:num_rows], requests, [s.draft for s in sampled],
-                                            self.config.return_logprobs)
+                                            self.config.return_logprobs, [s.draft_probs for s in sampled])
             else:
                 result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
                           else StepResult([]))

@@ -3,12 +3,14 @@ token and each proposed one, in, its accepted proposals and one more token, out.
 
 Greedy: proposals are accepted while each equals the argmax of the row before it, then the
 argmax of the first row not matched (or of the last row): the tokens greedy decoding gives.
-Sampled: the proposer is deterministic (a point mass on each proposed token), so the rejection
-rule of speculative sampling (Leviathan et al., 2023; Chen et al., 2023) reads: accept proposal
-d with probability p(d), else draw from p with d removed and stop. Each emitted token is then
+Sampled: the rejection rule of speculative sampling (Leviathan et al., 2023; Chen et al., 2023):
+accept proposal d, drawn from the proposer's distribution q, with probability min(1, p(d) / q(d)),
+else draw from max(0, p - q) (normalized) and stop. An n-gram proposal is a point mass (q(d) = 1:
+accept with p(d), else draw from p with d removed); a draft model samples its proposals for a
+sampled request and hands over its q rows (`distributions`). Each emitted token is then
 distributed as the target p at its position, whatever was proposed. p is the row's distribution
-after temperature, top-k, top-p and min-p (`sampler.process_logits`); logprobs reported are
-log p, the target's.
+after temperature, top-k, top-p and min-p (`target_distribution`); logprobs reported are log p,
+the target's.
 """
 
 from __future__ import annotations
@@ -20,42 +22,55 @@ from cbserve.scheduler.scheduler import StepResult
 from cbserve.workers.sampler import Sampler, min_p_filter, process_logits, top_pairs
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from unnormalized probabilities, by inverting the CDF at a uniform draw."""
     cdf = probs.cumsum(dim=-1)
     u = torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1]
     return int(torch.searchsorted(cdf, u[None], right=True).clamp(max=probs.numel() - 1))
 
 
-def accept(rows: torch.Tensor, draft: list[int], params: SamplingParams,
-           generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+def target_distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed logits of sampled `rows` (one request's): temperature, top-k, top-p, min-p."""
+    processed = process_logits(rows, [params] * rows.shape[0])
+    if params.min_p > 0:
+        processed = min_p_filter(processed, torch.full((rows.shape[0],), params.min_p, dtype=processed.dtype))
+    return processed
+
+
+def accept(rows: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator,
+           draft_probs: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
     """The tokens emitted for `rows` ([1 + len(draft), vocab] float logits: the last token's row,
-    then each proposed token's) and the rows' processed logits (the distributions drawn from)."""
+    then each proposed token's) and the rows' processed logits (the distributions drawn from).
+    `draft_probs` ([len(draft), vocab]): the distributions the proposals were drawn from; None:
+    point masses."""
     if params.greedy:
         targets = rows.argmax(dim=-1).tolist()
         n = 0
         while n < len(draft) and draft[n] == targets[n]:
             n += 1
         return draft[:n] + [targets[n]], rows
-    processed = process_logits(rows, [params] * rows.shape[0])
-    if params.min_p > 0:
-        processed = min_p_filter(processed, torch.full((rows.shape[0],), params.min_p, dtype=processed.dtype))
+    processed = target_distribution(rows, params)
     probs = processed.softmax(dim=-1)
+    q = None if draft_probs is None else draft_probs.to(probs.dtype)
     tokens: list[int] = []
     for i, proposed in enumerate(draft):
-        if torch.rand((), generator=generator) < probs[i, proposed]:
+        q_d = 1.0 if q is None else q[i, proposed]
+        if torch.rand((), generator=generator) * q_d < probs[i, proposed]:  # probability min(1, p / q)
             tokens.append(proposed)
             continue
-        residual = probs[i].clone()
-        residual[proposed] = 0.0
-        tokens.append(_draw(residual, generator))
+        if q is None:
+            residual = probs[i].clone()
+            residual[proposed] = 0.0
+        else:
+            residual = (probs[i] - q[i]).clamp_min(0.0)
+        tokens.append(draw(residual if residual.sum() > 0 else probs[i], generator))  # 0: p = q up to rounding
         return tokens, processed
-    tokens.append(_draw(probs[len(draft)], generator))
+    tokens.append(draw(probs[len(draft)], generator))
     return tokens, processed
 
 
 def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-                       want_logprobs: bool) -> StepResult:
+                       want_logprobs: bool, draft_probs: list[torch.Tensor | None] | None = None) -> StepResult:
     """The step's `StepResult` when some requests speculated: `logits` has 1 + len(draft) rows per
     request, in order. Those without a draft are sampled by `sampler` as usual; each one with a
     draft gets its accepted proposals and one more token, in a row (`Scheduler.update` takes them)."""
@@ -74,7 +89,8 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Re
         if draft:
             request = requests[i]
             rows = logits[first[i] : first[i + 1]]
-            by_request[id(request)] = _verified(rows, draft, request, sampler.generator_of(request), want_logprobs)
+            q = draft_probs[i] if draft_probs else None
+            by_request[id(request)] = _verified(rows, draft, request, sampler.generator_of(request), want_logprobs, q)
     result = StepResult([], [], [], [], drawn.faults if drawn is not None else [])
     for request in requests:
         tokens, logprobs, tops = by_request.get(id(request), ((), (), ()))  # none: faulted, nothing drawn
@@ -87,11 +103,11 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Re
 
 
 def _verified(rows: torch.Tensor, draft: list[int], request: Request, generator: torch.Generator,
-              want_logprobs: bool) -> tuple[list[int], list, list]:
+              want_logprobs: bool, draft_probs: torch.Tensor | None) -> tuple[list[int], list, list]:
     """A speculating request's tokens, with their logprobs and top pairs under the target's
     distribution (None where not asked)."""
     params = request.sampling
-    tokens, processed = accept(rows, draft, params, generator)
+    tokens, processed = accept(rows, draft, params, generator, draft_probs)
     n = len(tokens)
     if not (want_logprobs or params.top_logprobs):
         return tokens, [None] * n, [None] * n

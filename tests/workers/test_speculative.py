@@ -79,7 +79,7 @@ def test_speculation_with_preemption_chunked_prefill_and_prefix_hits() -> None:
 
 def test_accepting_every_proposal_is_caught(monkeypatch) -> None:
     """The comparison can fail: a verifier that accepts every proposal changes the output."""
-    def credulous(rows, draft, params, generator):
+    def credulous(rows, draft, params, generator, draft_probs=None):
         return list(draft) + [int(rows[len(draft)].argmax())], rows
 
     monkeypatch.setattr(speculative, "accept", credulous)
@@ -140,6 +140,45 @@ def test_rejection_rule_keeps_the_target_distribution(params: SamplingParams) ->
     chi2 = sum((o - e) ** 2 / e for o, e in cells)
     dof = len(cells) - 1
     assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)  # ~5 sigma: fails only when biased
+
+
+def _chi2_ok(counts: list[int], probs: list[float]) -> bool:
+    """Counts drawn from `probs` (chi-square over the cells with mass, within ~5 sigma)."""
+    n = sum(counts)
+    cells = [(o, n * p) for o, p in zip(counts, probs) if p > 0]
+    if any(o for o, p in zip(counts, probs) if p == 0):
+        return False  # a draw outside the support
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return chi2 < dof + 5 * math.sqrt(2 * dof)
+
+
+def test_rejection_rule_with_draft_distributions_keeps_the_target_distribution() -> None:
+    """Proposals drawn from a draft's q (not a point mass): accepted with min(1, p / q), else a
+    draw from max(0, p - q); the first token is distributed as p0 and, after an accepted
+    proposal, the next as p1. With q = p every proposal is accepted."""
+    torch.manual_seed(0)
+    params = SamplingParams(do_sample=True, temperature=0.9)
+    vocab = 6
+    rows = torch.randn(3, vocab, dtype=torch.float64) * 1.5
+    p = _target(rows, params)
+    q = torch.softmax(torch.randn(2, vocab, dtype=torch.float64), dim=-1)
+    g, proposals = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    first, second, accepted, n = [0] * vocab, [0] * vocab, 0, 20000
+    for _ in range(n):
+        draft = [int(torch.multinomial(q[i], 1, generator=proposals)) for i in range(2)]
+        tokens, _ = speculative.accept(rows, draft, params, g, q)
+        first[tokens[0]] += 1
+        if tokens[0] == draft[0]:  # accepted (a rejection never redraws d: p(d) < q(d) there)
+            accepted += 1
+            second[tokens[1]] += 1
+    assert _chi2_ok(first, p[0].tolist()) and _chi2_ok(second, p[1].tolist())
+    expected_rate = float(torch.minimum(p[0], q[0]).sum())  # P(accept) = sum_d min(p(d), q(d))
+    assert abs(accepted / n - expected_rate) < 5 * math.sqrt(expected_rate * (1 - expected_rate) / n)
+    same = p[:2].clone()
+    for _ in range(200):
+        draft = [int(torch.multinomial(same[i], 1, generator=proposals)) for i in range(2)]
+        assert speculative.accept(rows, draft, params, g, same)[0][:2] == draft
 
 
 def test_greedy_acceptance_rule() -> None:
@@ -234,6 +273,9 @@ class _RecordingProposer:
     def propose(self, request, limit: int) -> list[int]:
         self.limits.append(limit)
         return [request.tokens[-1]] * limit
+
+    def distributions(self, request_id: str) -> None:
+        return None  # point masses
 
     def forget(self, request_id: str) -> None:
         pass
@@ -379,6 +421,24 @@ def test_draft_model_speculation_equals_generate(tmp_path, noise: float) -> None
     else:
         assert s.num_accepted_tokens < s.num_draft_tokens
     assert not s.proposer._caches  # every finished request's draft cache dropped
+
+
+def test_sampled_draft_model_proposals_follow_the_draft_distribution(tmp_path) -> None:
+    """Sampled requests: the target as its own draft samples its proposals from the target's own
+    distribution, so nearly every one is accepted (argmax proposals would pass only with the
+    target's probability of each: ~1/5 here), and a seeded request's tokens are reproducible."""
+    prompts = random_prompts([5, 17, 40], seed=3)
+    cfg = cbserve.ContinuousBatchingConfig(
+        page_size=16, num_blocks=200, return_logprobs=True,
+        speculative={"method": "draft_model", "model": _draft_folder(tmp_path, 0.0), "num_speculative_tokens": 3,
+                     "disable_by_batch_size": None})
+    sampled = [{"sampling": SamplingParams(do_sample=True, temperature=1.0, seed=10 + i)} for i in range(3)]
+    requests, engine = run_engine(model_for("llama"), prompts, cfg, max_new=16, per_request=sampled)
+    s = engine.scheduler
+    assert s.num_draft_tokens > 20 and s.num_accepted_tokens >= 0.95 * s.num_draft_tokens
+    again, _ = run_engine(model_for("llama"), prompts, cfg, max_new=16, per_request=sampled)
+    assert [r.generated for r in again] == [r.generated for r in requests]
+    assert not s.proposer._probs and not s.proposer._seeded  # dropped with each finished request
 
 
 def test_draft_model_refusals(tmp_path) -> None:
