@@ -25,6 +25,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MODEL = "tiny"
 MAX_ONGOING, MAX_QUEUED, RETRY_AFTER = 2, 2, 2.0
 HOLD_PROMPT = "hello world"  # greedy on the tiny model runs to max_tokens (no early EOS)
+HOLD_TOKENS = 450
+HOLD_LOGPROBS = 5  # per-token work for the ingress, so a held stream lasts a while on a fast CPU too
+# The held streams must outlast the queue check and the burst (a few hundred ms): slower machines
+# hold for seconds; one that streams HOLD_TOKENS faster than this cannot show the slots busy.
+MIN_HOLD_S = 1.0
 
 
 def _args(model_dir: Path) -> dict[str, Any]:
@@ -60,8 +65,12 @@ def _post(cluster: dict[str, Any], body: dict[str, Any], timeout: float = 120) -
         conn.close()
 
 
-def _completion(prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+def _completion(prompt: str, max_tokens: int, stream: bool = False, **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **fields}
+
+
+def _hold(stream: bool = False) -> dict[str, Any]:
+    return _completion(HOLD_PROMPT, HOLD_TOKENS, stream, logprobs=HOLD_LOGPROBS)
 
 
 def _text(raw: bytes, stream: bool) -> tuple[str, str | None]:
@@ -104,9 +113,9 @@ def _wait_idle(cluster: dict[str, Any]) -> dict[str, Any]:
 class _HeldStream:
     """A long streaming completion that occupies one of the replica's max_ongoing slots."""
 
-    def __init__(self, cluster: dict[str, Any], max_tokens: int):
+    def __init__(self, cluster: dict[str, Any]):
         self.conn = http.client.HTTPConnection("127.0.0.1", cluster["http"], timeout=120)
-        self.conn.request("POST", "/v1/completions", body=json.dumps(_completion(HOLD_PROMPT, max_tokens, True)).encode(),
+        self.conn.request("POST", "/v1/completions", body=json.dumps(_hold(stream=True)).encode(),
                           headers={"Content-Type": "application/json"})
         self.resp = self.conn.getresponse()
         assert self.resp.status == 200
@@ -128,17 +137,21 @@ def test_excess_requests_are_refused_fast_and_accepted_ones_complete(cluster: di
     from cbserve.serving.protos import generate_pb2, generate_pb2_grpc
 
     expected = {p: _text(_post(cluster, _completion(p, 8))[2], False) for p in ("the sea", "one two")}
-    held_expected = _text(_post(cluster, _completion(HOLD_PROMPT, 450))[2], False)
+    _, _, raw, hold_s = _post(cluster, _hold())
+    held_expected = _text(raw, False)
     assert held_expected[1] == "length", "the hold prompt must not stop early for this test to hold its slot"
+    if hold_s < MIN_HOLD_S:
+        pytest.skip(f"{HOLD_TOKENS} tokens took {hold_s:.2f} s here: too fast to keep both slots busy through "
+                    f"the queue check and the burst (needs {MIN_HOLD_S} s)")
 
     # The requests above have left the worker (Serve counts a slot free when they have).
     _wait_idle(cluster)
     # Two long streams take the replica's two slots ...
-    held = [_HeldStream(cluster, 450) for _ in range(MAX_ONGOING)]
+    held = [_HeldStream(cluster) for _ in range(MAX_ONGOING)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         # ... two more wait in the ingress's queue for the worker ...
         queued = [pool.submit(_post, cluster, _completion(p, 8)) for p in expected]
-        time.sleep(1.0)
+        time.sleep(0.3)  # an 8-token answer takes ~50 ms: one that did not wait would be back
         answered = [f.result()[:3] for f in queued if f.done()]
         assert not answered, f"a queued request was answered while both slots were busy: {answered}"
         # ... and everything beyond is refused at once, on HTTP and on gRPC.
@@ -246,10 +259,10 @@ def test_flood_keeps_engine_bounded_and_answers_correct(cluster: dict[str, Any])
 
 def test_health_stays_ok_while_overloaded(cluster: dict[str, Any]) -> None:
     """A saturated server is busy, not broken: /health must not take it out of a load balancer."""
-    held = [_HeldStream(cluster, 450) for _ in range(MAX_ONGOING)]
+    held = [_HeldStream(cluster) for _ in range(MAX_ONGOING)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         queued = [pool.submit(_post, cluster, _completion("the sea", 4)) for _ in range(MAX_QUEUED)]
-        time.sleep(1.0)
+        time.sleep(0.3)
         conn = http.client.HTTPConnection("127.0.0.1", cluster["http"], timeout=60)
         conn.request("GET", "/health")
         resp = conn.getresponse()
