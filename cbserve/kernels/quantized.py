@@ -38,6 +38,8 @@ GGUF_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values
 GEMV_ROWS = 16
 # The attribute `models.load_model` sets on a model loaded from a GGUF file: that file's path.
 GGUF_SOURCE = "cb_gguf_file"
+# The attribute an engine sets on a model whose layers it quantized: the `quantization` it used.
+QUANTIZED_AS = "cb_quantized_as"
 
 
 def kernel_isa() -> str:

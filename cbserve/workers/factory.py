@@ -136,20 +136,24 @@ def quantize_model(model: torch.nn.Module, quantization: str, batch_invariant: b
     blocks; 'int8', the dense weights quantized to Q8_0 blocks."""
     from cbserve.kernels import quantized
 
-    if any(isinstance(m, quantized.QuantizedLinear) for m in model.modules()):
+    done = getattr(model, quantized.QUANTIZED_AS, None)
+    if done == quantization:
         return  # quantized by an earlier engine on this model
+    if done is not None:
+        raise ValueError(f"quantization={quantization!r}: this model's layers were replaced by an earlier engine's "
+                         f"quantization={done!r} (load the model again)")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPUs only (the quantized kernels are C++ for "
                          "x86-64)")
     if quantization == "int8":
         quantized.quantize_dense(model, "q8_0", bool(batch_invariant))
-        return
-    gguf = getattr(model, quantized.GGUF_SOURCE, None)
-    if gguf is None:
-        raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
-                         f"(this {type(model).__name__} has no GGUF source)")
-    quantized.quantize_from_gguf(model, gguf, bool(batch_invariant))
-    delattr(model, quantized.GGUF_SOURCE)
+    else:
+        gguf = getattr(model, quantized.GGUF_SOURCE, None)
+        if gguf is None:
+            raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
+                             f"(this {type(model).__name__} has no GGUF source)")
+        quantized.quantize_from_gguf(model, gguf, bool(batch_invariant))
+    setattr(model, quantized.QUANTIZED_AS, quantization)
 
 
 def build_runner(model: torch.nn.Module, config: ContinuousBatchingConfig, cache: PagedKVCache,

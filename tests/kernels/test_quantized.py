@@ -177,6 +177,18 @@ def test_quantization_int8_runs_a_dense_model_on_q8_0_blocks(arch: str) -> None:
     assert {m.fmt for m in model.modules() if isinstance(m, QuantizedLinear)} == {"q8_0"}
 
 
+def test_a_quantized_model_is_not_quantized_otherwise_silently() -> None:
+    """A second engine on the same model reuses its layers when it asks the same quantization, and
+    refuses another one (those layers cannot be requantized), naming the field."""
+    model = tiny_model("llama", torch.float32)
+    config = cbserve.ContinuousBatchingConfig(num_blocks=8, quantization="int8")
+    first, _ = run_engine(model, [[5, 6, 7]], config, max_new=3)
+    again, _ = run_engine(model, [[5, 6, 7]], config, max_new=3)
+    assert again[0].generated == first[0].generated
+    with pytest.raises(ValueError, match="quantization='auto'.*earlier engine's quantization='int8'"):
+        run_engine(model, [[5, 6, 7]], cbserve.ContinuousBatchingConfig(num_blocks=8, quantization="auto"))
+
+
 def test_quantization_int8_shares_a_tied_heads_blocks() -> None:
     model = tiny_model("llama", torch.float32)
     model.config.tie_word_embeddings = True
