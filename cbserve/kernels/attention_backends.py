@@ -1,10 +1,11 @@
 """Which attention kernels the engine calls, chosen once at construction.
 
-- ``cpu``: every row, decode or prefill, through the C++ paged attention kernel (`cpu_kernels.py`:
-  reads the pages through the block table, no gathered copy; a path per instruction set; one
-  per-row routine with a fixed reduction order, so batch-invariant). The default on a CPU when the
-  kernel builds (needs a C++ compiler and ninja). With ``batch_invariant=False`` prefill chunks go
-  through SDPA as in ``sdpa`` and only decode rows use the C++ kernel.
+- ``cpu``: the C++ paged attention kernels (`cpu_kernels.py`: read the pages through the block
+  table, no gathered copy; a path per instruction set; decode rows through one per-row routine
+  with a fixed reduction order, so batch-invariant). The default on a CPU when the kernel builds
+  (needs a C++ compiler and ninja). Unless ``batch_invariant=True``, prefill chunks
+  go through faster kernels where the CPU has them (`kernels`): the tiled C++ prefill kernel, or
+  SDPA as in ``sdpa``.
 - ``sdpa``: PyTorch only (`paged_attention.py`): K/V rows gathered per step, then
   `scaled_dot_product_attention`. The fallback without CUDA when the C++ kernel cannot be built.
 - ``triton``: the Triton kernels (`triton_attention.py`) read the pages through block tables;
@@ -139,20 +140,29 @@ def _flash_version() -> str:
 def kernels(name: str, batch_invariant: bool | None = None, dtype: torch.dtype | None = None) -> KernelBackend | None:
     """The kernel functions of a backend; None for `sdpa`, which gathers and calls SDPA itself.
 
-    ``cpu``: the C++ kernel for every row, prefill or decode: one routine with a fixed reduction
-    order per row (batch-invariant), and faster than SDPA on prefill chunks up to ~1k tokens on
-    CPUs without AMX (bfloat16: at every length measured). ``batch_invariant=False``, and
-    bfloat16 on a CPU with AMX unless `batch_invariant` is True: prefill chunks through SDPA, whose
-    flash kernel multiplies on AMX tiles (8 prompts of 256 tokens, default model, a 2-core AMX
-    Xeon: attention 448 -> 216 ms a step)."""
+    ``cpu``: decode rows through the C++ per-row kernel (a fixed reduction order per row:
+    batch-invariant). Prefill chunks, by `batch_invariant` and the CPU:
+    - True: the same per-row kernel;
+    - otherwise, bfloat16 on a CPU with AMX: SDPA, whose flash kernel multiplies on AMX tiles (8
+      prompts of 256 tokens, default model, a 2-core AMX Xeon: attention 448 -> 216 ms a step);
+    - otherwise, bfloat16 on the avx512_bf16 path: the tiled C++ prefill kernel (`vdpbf16ps`
+      tiles; 2-2.2x the per-row kernel from 128-token prompts on a 2-core Zen 4);
+    - otherwise False: SDPA; None: the per-row kernel (faster than SDPA on chunks up to ~1k
+      tokens on CPUs without AMX)."""
     if name == "sdpa":
         return None
     if name == "cpu":
         from cbserve.kernels import cpu_isa, cpu_kernels
 
-        amx_prefill = dtype == torch.bfloat16 and cpu_isa.has_amx_bf16()
-        sdpa_prefill = batch_invariant is False or (batch_invariant is None and amx_prefill)
-        varlen = None if sdpa_prefill else cpu_kernels.varlen_paged_attention
+        bf16 = dtype == torch.bfloat16
+        if batch_invariant:
+            varlen = cpu_kernels.varlen_paged_attention
+        elif bf16 and cpu_isa.has_amx_bf16():
+            varlen = None
+        elif bf16 and cpu_isa.selected() == "avx512_bf16":
+            varlen = cpu_kernels.tiled_prefill_attention
+        else:
+            varlen = None if batch_invariant is False else cpu_kernels.varlen_paged_attention
         return KernelBackend(name, cpu_kernels.store_kv, cpu_kernels.paged_decode_attention, varlen)
     if name == "reference":
         from cbserve.kernels import reference as ref

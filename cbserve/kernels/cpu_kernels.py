@@ -1,5 +1,6 @@
 """The C++ kernels for CPUs, built on first use: paged attention (`csrc/paged_attention_cpu.cpp`:
-decode rows and packed varlen rows, read straight from the pages), linear layers on
+decode rows and packed varlen rows, read straight from the pages; `csrc/prefill_attention_cpu.cpp`:
+prompts' rows in tiles, not batch-invariant), linear layers on
 panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`), the fused elementwise
 parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`) and the LoRA
 deltas of rows of different adapters (`csrc/lora_cpu.cpp`; used by `lora.py`).
@@ -36,8 +37,9 @@ from cbserve.kernels import cpu_isa
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
-    "paged_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp", "quant_linear_cpu.cpp", "lora_cpu.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "vector_paths.h"]  # included by sources: in the build's digest too
+    "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp",
+    "quant_linear_cpu.cpp", "lora_cpu.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_paths.h", "exp_vector.h")]  # included by sources: in the build's digest too
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.
 CFLAGS = ["-O3", "-fopenmp"]
@@ -147,6 +149,40 @@ def varlen_paged_attention(
         q.contiguous(), k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
         float(scale), int(sliding_window or 0), float(softcap or 0.0), isa or cpu_isa.selected(),
     )
+
+
+def tiled_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """`varlen_paged_attention`'s semantics, a prompt's rows in tiles (flash-attention style, see
+    the C++ file): several times faster on prompts, but a row's sums depend on how its request's
+    rows were split, so not batch-invariant. bfloat16 on the avx512_bf16 path with a head
+    dimension the tiles take (`tiled_prefill_runs`); anything else goes to `varlen_paged_attention`."""
+    isa = isa or cpu_isa.selected()
+    if not tiled_prefill_runs(q.dtype, q.shape[-1], isa):
+        return varlen_paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale,
+                                      sliding_window, softcap, isa)
+    return torch.ops.cbserve_cpu.paged_prefill_attention(
+        q.contiguous(), k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
+        float(scale), int(sliding_window or 0), float(softcap or 0.0), isa,
+    )
+
+
+@functools.cache
+def tiled_prefill_runs(dtype: torch.dtype, head_dim: int, isa: str) -> bool:
+    """Whether `tiled_prefill_attention` has a path for these (else it runs the per-row routine)."""
+    load()
+    return isa == "avx512_bf16" and torch.ops.cbserve_cpu.tiled_prefill_available(
+        str(dtype).removeprefix("torch."), head_dim)
 
 
 def layer_ops_isa(isa: str | None = None) -> str:

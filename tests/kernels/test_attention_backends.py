@@ -335,18 +335,29 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str, graphs: tup
 
 
 @pytest.mark.parametrize("amx", [True, False])
-def test_cpu_prefill_goes_to_sdpa_in_bfloat16_on_amx_unless_batch_invariant(amx: bool, monkeypatch) -> None:
-    """Prefill chunks: the C++ varlen kernel, except bfloat16 on a CPU with AMX (SDPA's flash kernel
-    multiplies on AMX tiles there) when batch invariance is not asked for, and always with
-    batch_invariant=False. The AMX flag is faked so that both rules are checked on every CPU."""
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512"])
+def test_cpu_prefill_kernel_by_dtype_cpu_and_batch_invariance(amx: bool, isa: str, monkeypatch) -> None:
+    """Prefill chunks: the per-row C++ kernel with batch_invariant=True; otherwise bfloat16 goes to
+    SDPA on a CPU with AMX (its flash kernel multiplies on AMX tiles) and to the tiled C++ kernel
+    on the avx512_bf16 path; anything else to SDPA with batch_invariant=False, else the per-row
+    kernel. The CPU's flags are faked so that every rule is checked on every CPU."""
     from cbserve.kernels import cpu_isa
 
     monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(cpu_isa, "selected", lambda: isa)
     for dtype in (torch.bfloat16, torch.float32):
         for invariant in (None, True, False):
             got = attention_backends.kernels("cpu", invariant, dtype).varlen
-            sdpa = invariant is False or (invariant is None and amx and dtype == torch.bfloat16)
-            assert got is (None if sdpa else cpu_kernels.varlen_paged_attention), (dtype, invariant)
+            bf16 = dtype == torch.bfloat16
+            if invariant:
+                want = cpu_kernels.varlen_paged_attention
+            elif bf16 and amx:
+                want = None
+            elif bf16 and isa == "avx512_bf16":
+                want = cpu_kernels.tiled_prefill_attention
+            else:
+                want = None if invariant is False else cpu_kernels.varlen_paged_attention
+            assert got is want, (dtype, invariant)
 
 
 def test_graph_kinds_default_to_what_can_run_on_cuda() -> None:
