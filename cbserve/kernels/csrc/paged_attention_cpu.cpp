@@ -101,6 +101,7 @@ struct Generic {
   using Acc = at::opmath_type<T>;
   using Q = Acc;
   static constexpr int kQK = 0, kPV = 0;  // no fixed-size head routines
+  static constexpr bool kGroupValues = false;  // no group_values
   template <int DV>
   static void row_scores(const Q*, const T*, const T*, int64_t, const Slots&, int64_t, int64_t, Acc, Acc*, int64_t, Acc*) {}
   template <int DV> static void head_values(const Acc*, const T*, int64_t, const Slots&, Acc, T*) {}
@@ -190,6 +191,7 @@ struct Avx2 {
   // Every query head of the task in one pass over the token rows (K read in order; V's rows are
   // fetched meanwhile for the value pass): scores[h * n + j] = scale * q_h.k_j, top[h] their max.
   static constexpr int kQK = 8, kPV = 8;
+  static constexpr bool kGroupValues = false;
   template <int DV>
   CB_AVX2 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl, int64_t nq,
                                  int64_t group, float scale, float* scores, int64_t n, float* top) {
@@ -276,6 +278,7 @@ struct Avx512 {
     }
   }
   static constexpr int kQK = 16, kPV = 16;
+  static constexpr bool kGroupValues = true;
   template <int DV>
   CB_AVX512 static void row_scores(const float* q, const T* k, const T* v, int64_t kv_row, const Slots& sl,
                                    int64_t nq, int64_t group, float scale, float* scores, int64_t n, float* top) {
@@ -317,6 +320,37 @@ struct Avx512 {
 #pragma GCC unroll 16
     for (int i = 0; i < DV; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
     for (int d = 0; d < 16 * DV; ++d) out[d] = static_cast<T>(buf[d]);
+  }
+  // head_values for G query heads of one KV head at once (their probabilities n apart, their
+  // outputs 16 * DV apart): each V row is read once for all G, and each head's sums run in
+  // head_values' order, so the results are the same bits.
+  template <int DV, int G>
+  CB_AVX512 static void group_values(const float* p, int64_t n, const T* v, int64_t kv_row, const Slots& sl,
+                                     const float* inv, T* out) {
+    __m512 acc[G][DV];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_setzero_ps();
+    CB_FOR_SLOTS(sl, j, slot) {
+      const T* vr = v + slot * kv_row;
+      __m512 vj[DV];
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) vj[i] = load16_avx512(vr + 16 * i, 0xFFFF);
+#pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * n + j]);
+#pragma GCC unroll 16
+        for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(pj, vj[i], acc[g][i]);
+      }
+    }
+    alignas(64) float buf[16 * DV];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
+      for (int d = 0; d < 16 * DV; ++d) out[g * 16 * DV + d] = static_cast<T>(buf[d]);
+    }
   }
 };
 
@@ -372,8 +406,18 @@ struct Avx512Bf16 : Avx512<c10::BFloat16> {
 template <class Ops>
 struct Buffers {
   std::vector<typename Ops::Q> q;
-  std::vector<typename Ops::Acc> scores, acc, top;
+  std::vector<typename Ops::Acc> scores, acc, top, inv;
 };
+
+// Ops::group_values for `count` (<= G) heads: the instantiation of that many.
+template <class Ops, int DV, int G, typename T, typename A>
+inline void group_values_of(int64_t count, const A* p, int64_t n, const T* v, int64_t kv_row, const Slots& sl,
+                            const A* inv, T* out) {
+  if constexpr (G > 0) {
+    if (count == G) return Ops::template group_values<DV, G>(p, n, v, kv_row, sl, inv, out);
+    group_values_of<Ops, DV, G - 1>(count, p, n, v, kv_row, sl, inv, out);
+  }
+}
 
 // The fixed-size head routines of Ops for this head dimension, or the loops over `dot` / `axpy`.
 template <class Ops, typename T>
@@ -404,6 +448,31 @@ struct Head {
         out[h * n + j] = Ops::dot(q + h * dim, kh + slot * kv_row, dim) * scale;
         top[h] = std::max(top[h], out[h * n + j]);
       });
+    }
+  }
+  // values() for `heads` query heads of one KV head (probabilities n apart, outputs dim apart),
+  // several at once where Ops has group_values (at most 16 accumulator registers).
+  void group_values(const A* p, int64_t n, int64_t heads, const T* v, int64_t kv_row, const Slots& sl, const A* inv,
+                    T* out, int64_t dim, std::vector<A>& acc) const {
+    if constexpr (Ops::kGroupValues) {
+      switch (dv_pv) {
+        case 1: return group_chunks<1>(p, n, heads, v, kv_row, sl, inv, out);
+        case 2: return group_chunks<2>(p, n, heads, v, kv_row, sl, inv, out);
+        case 4: return group_chunks<4>(p, n, heads, v, kv_row, sl, inv, out);
+        case 8: return group_chunks<8>(p, n, heads, v, kv_row, sl, inv, out);
+        default: break;
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) values(p + h * n, v, kv_row, sl, inv[h], out + h * dim, dim, acc);
+  }
+  template <int DV>
+  void group_chunks(const A* p, int64_t n, int64_t heads, const T* v, int64_t kv_row, const Slots& sl, const A* inv,
+                    T* out) const {
+    constexpr int G = 16 / DV < 8 ? 16 / DV : 8;
+    constexpr int64_t dim = Ops::kPV * DV;
+    for (int64_t h = 0; h < heads; h += G) {
+      const int64_t count = std::min<int64_t>(G, heads - h);
+      group_values_of<Ops, DV, G>(count, p + h * n, n, v, kv_row, sl, inv + h, out + h * dim);
     }
   }
   void values(const A* p, const T* v, int64_t kv_row, const Slots& sl, A inv, T* out, int64_t dim,
@@ -443,6 +512,7 @@ inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, const Hea
   buf.top.assign(nq, -std::numeric_limits<A>::infinity());
   A* scores = buf.scores.data();
   head.scores(buf.q.data(), k, v, kv_row, sl, nq, group, scale, scores, n, buf.top.data(), dim);
+  buf.inv.resize(nq);
   for (int64_t h = 0; h < nq; ++h) {
     A* p = scores + h * n;
     A top = buf.top[h];
@@ -453,8 +523,11 @@ inline void attend(const Args& a, int64_t row, int64_t g0, int64_t nq, const Hea
         top = std::max(top, p[j]);
       }
     }
-    const A inv = A(1) / Ops::exp_sum(p, n, top);
-    head.values(p, v + h / group * dim, kv_row, sl, inv, orow + h * dim, dim, buf.acc);
+    buf.inv[h] = A(1) / Ops::exp_sum(p, n, top);
+  }
+  for (int64_t h = 0; h < nq; h += group) {
+    head.group_values(scores + h * n, n, group, v + h / group * dim, kv_row, sl, buf.inv.data() + h, orow + h * dim,
+                      dim, buf.acc);
   }
 }
 
