@@ -25,6 +25,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -292,6 +293,7 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     serve, port, nodes = cluster["serve"], cluster["http"], cluster["nodes"]
     serve.delete("tp")  # frees node C for the replacement replica
     lost = next(r for r, node in _placement(cluster)[WORKER].items() if node == nodes["A"].node_id)
+    (lost_pid,) = [a.pid for a in _actors(f"ServeReplica:spread:{WORKER}") if a.name.rsplit("#", 1)[1] == lost]
     # Fixed-length streams (no EOS), long enough that the node goes while they run on a fast machine
     # too: at up to 96 tokens ending at EOS, a fast CI machine had finished them all before the kill.
     length = 160
@@ -307,6 +309,10 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
                 assert event.wait(120), "a stream never started"
             t0 = time.monotonic()
             if kill_node_a:
+                # A crash takes every process of the node at once. `remove_node` kills the raylet,
+                # and the worker replica can go on generating until it notices: a fast machine can
+                # finish every stream by then, and nothing migrates (a CI run counted none).
+                os.kill(lost_pid, signal.SIGKILL)
                 cluster["cluster"].remove_node(nodes["A"], allow_graceful=False)
             return [f.result(timeout=SOCKET_TIMEOUT_S * 3) for f in futures], t0
 
