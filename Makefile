@@ -71,8 +71,9 @@ $(PEER_STAMP): Makefile
 peers: install $(PEER_STAMP)
 
 # llama.cpp, the GGUF peer of bench/peers.py (issue 29), in a venv of its own: pip builds
-# llama-cpp-python from source (a few minutes on 2 cores; needs cmake and a C++ compiler) with its
-# OpenAI server, which serves the same GGUF file with continuous-batching slots.
+# llama-cpp-python from source (a few minutes on 2 cores; needs cmake and a C++ compiler), then
+# llama.cpp's `llama-server` from the same sources, which serves the GGUF file with
+# continuous-batching slots (bench/peers.py's served llama.cpp).
 LLAMACPP_VENV ?= .venv-llamacpp
 # This CPU's vector extensions, without AMX: llama.cpp's AMX matmul crashed (SIGSEGV in
 # ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36) on the Sapphire Rapids VM it was tried on.
@@ -82,6 +83,7 @@ LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
     $(call CPU_FLAG,avx512f,AVX512) $(call CPU_FLAG,avx512_vnni,AVX512_VNNI) \
     $(call CPU_FLAG,avx512_bf16,AVX512_BF16) $(call CPU_FLAG,avx_vnni,AVX_VNNI)
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMACPP_SRC := $(LLAMACPP_VENV)/src
 
 $(LLAMACPP_STAMP): Makefile
 	test -x $(LLAMACPP_VENV)/bin/python || python3 -m venv $(LLAMACPP_VENV)
@@ -89,6 +91,19 @@ $(LLAMACPP_STAMP): Makefile
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir \
 	    "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
 	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	# llama.cpp's own server (continuous-batching slots; the package's Python server runs one
+	# request at a time), built from the llama.cpp sources vendored in the same sdist.
+	rm -rf $(LLAMACPP_SRC) && mkdir -p $(LLAMACPP_SRC)
+	$(LLAMACPP_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: -d $(LLAMACPP_SRC) \
+	    "llama-cpp-python==$(LLAMACPP_VERSION)"
+	tar xzf $(LLAMACPP_SRC)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_SRC)
+	cmake -S $(LLAMACPP_SRC)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp -B $(LLAMACPP_SRC)/build \
+	    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+	    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF $(LLAMACPP_CMAKE_ARGS)
+	cmake --build $(LLAMACPP_SRC)/build --target llama-server -j $(shell nproc)
+	cp $(LLAMACPP_SRC)/build/bin/llama-server $(LLAMACPP_VENV)/bin/llama-server
+	$(LLAMACPP_VENV)/bin/llama-server --version
 	touch $(LLAMACPP_STAMP)
 
 peers-llamacpp: install $(LLAMACPP_STAMP)

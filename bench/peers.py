@@ -16,6 +16,9 @@ its venv's Python (`make peers` installs it into .venv-vllm):
   (`python -m cbserve.cluster.run ray_config.yaml`, on free ports), streamed `/v1/completions`
   (bench/serving.py's client) with 256-token prompts and 128 new tokens (ignore_eos) at 1, 8 and 32
   clients: output tok/s, TTFT and ITL p50/p90; and each server's time to ready and to its first token.
+  With `cbserve_gguf` and `llamacpp` among the engines: the app on the GGUF file's own blocks
+  (quantization 'auto') and llama.cpp's `llama-server` on the same file, one slot per client
+  (continuous batching).
 - float32 and bfloat16. vLLM gets its documented CPU settings (VLLM_CPU_KVCACHE_SPACE,
   VLLM_CPU_NUM_OF_RESERVED_CPU, VLLM_CPU_OMP_THREADS_BIND, tcmalloc / libiomp preload): with
   `--vllm-settings tune` (the default) each candidate runs a short offline probe and the fastest is
@@ -27,6 +30,7 @@ of the two on the first tokens; writes a JSON to bench/results/. A missing peer 
     python bench/peers.py                                   # everything: the official figures
     python bench/peers.py --mode offline --workloads mixed --dtypes bfloat16 --repeat 3
     python bench/peers.py --mode served --clients 1 --vllm-settings all-cores
+    python bench/peers.py --mode served --engines cbserve,cbserve_gguf,llamacpp --dtypes bfloat16
     python bench/peers.py --check-peer                      # does vLLM import and generate offline?
 """
 
@@ -53,6 +57,7 @@ import common  # standard library only: vLLM's venv imports this file too
 
 DEFAULT_PEER_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_LLAMACPP_PYTHON = ROOT / ".venv-llamacpp" / "bin" / "python"
+DEFAULT_LLAMA_SERVER = ROOT / ".venv-llamacpp" / "bin" / "llama-server"  # built by `make peers-llamacpp`
 RESULTS = ROOT / "bench" / "results"
 PEER = "vllm"
 OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "cbserve_int8", "llamacpp", "cbserve_ngram",
@@ -60,7 +65,9 @@ OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "cbserve_
 # Speculative decoding, n-gram prompt lookup, the same settings on both (vLLM's field names).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 VLLM_ENGINES = (PEER, "vllm_ngram")  # run in vLLM's venv
-SERVED_ENGINES = ("cbserve", "vllm")
+# Served: `make serve`'s app (dense; `cbserve_gguf` on the GGUF file's own blocks), vLLM's OpenAI
+# server, and llama.cpp's `llama-server` on the same GGUF file with continuous-batching slots.
+SERVED_ENGINES = ("cbserve", "vllm", "cbserve_gguf", "llamacpp")
 WARMUP = ([16, 32, 8, 24], [4, 8, 2, 6])  # prompt lengths, outputs: first-call costs, not timed
 
 
@@ -397,6 +404,26 @@ def start_cbserve_server(stack: contextlib.ExitStack, args: argparse.Namespace, 
     return base
 
 
+def start_llamacpp_server(stack: contextlib.ExitStack, args: argparse.Namespace, log: Path) -> str:
+    """llama.cpp's `llama-server` on the model's GGUF file, as its docs run it for concurrent
+    clients: one slot per client of the largest level (`-np`), continuous batching (its default),
+    a unified KV cache of the slots' whole context, every CPU for decode and prompt threads."""
+    import load
+    import serving
+
+    port, slots, threads = load.free_port(), max(args.clients), len(os.sched_getaffinity(0))
+    context = slots * (args.prompt_tokens + args.max_tokens + 64)
+    cmd = [str(args.llama_server), "-m", gguf_file(args.model), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(context), "--kv-unified", "-t", str(threads), "-tb", str(threads),
+           "--no-webui", "--seed", str(args.seed)]
+    out = stack.enter_context(open(log, "wb"))  # noqa: SIM115 - closed by the stack
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0)
+    stack.callback(serving.stop_server, proc)
+    base = f"http://127.0.0.1:{port}"
+    serving.wait_until_ready(proc, base, args.start_timeout, log)
+    return base
+
+
 def served_round(args: argparse.Namespace, engine: str, dtype: str, folder: str, tokenizer: Any,
                  vllm_env: dict[str, str], log: Path) -> dict[str, Any]:
     """One server: its startup (to ready, to the first token), then every client level."""
@@ -407,28 +434,36 @@ def served_round(args: argparse.Namespace, engine: str, dtype: str, folder: str,
         start = time.perf_counter()
         if engine == PEER:
             base = start_vllm_server(stack, args, folder, dtype, vllm_env, log)
+        elif engine == "llamacpp":  # the file's own formats: `dtype` does not apply
+            base = start_llamacpp_server(stack, args, log)
         else:
-            base = start_cbserve_server(stack, args, dtype, log)
+            quantization = {"engine": {"quantization": "auto"}} if engine == "cbserve_gguf" else None
+            base = start_cbserve_server(stack, args, dtype, log, quantization)
         ready = time.perf_counter() - start
-        target = load.url_target(base, None, os.environ.get("CBSERVE_API_KEY") if engine != PEER else None)
+        ours = engine.startswith("cbserve")
+        target = load.url_target(base, None, os.environ.get("CBSERVE_API_KEY") if ours else None)
         first = serving.make_prompts(tokenizer, 1, args.prompt_tokens, 10**6 + args.seed)
-        records, _ = asyncio.run(serving.http_level(target, first, 1, 4, args.request_timeout, ignore_eos=True))
+        fresh = engine == "llamacpp"  # see http_level
+        records, _ = asyncio.run(serving.http_level(target, first, 1, 4, args.request_timeout, ignore_eos=True,
+                                                    fresh_connections=fresh))
         first_token = records[0].chunk_times[0] - start if records[0].chunk_times else None
         print(f"  {engine} ready in {ready:.1f} s, first token at {_s(first_token)} s", flush=True)
-        levels = [served_level(args, target, tokenizer, n, clients) for n, clients in enumerate(args.clients)]
+        levels = [served_level(args, target, tokenizer, n, clients, fresh) for n, clients in enumerate(args.clients)]
     return {"engine": engine, "dtype": dtype, "ready_s": ready, "first_token_s": first_token, "levels": levels}
 
 
-def served_level(args: argparse.Namespace, target: Any, tokenizer: Any, n: int, clients: int) -> dict[str, Any]:
+def served_level(args: argparse.Namespace, target: Any, tokenizer: Any, n: int, clients: int,
+                 fresh_connections: bool = False) -> dict[str, Any]:
     """bench/serving.py's closed loop: `clients` streams, a warm-up request each first (unmeasured)."""
     import serving
 
     seed = 1000 * args.seed + 100 * n
     warm = serving.make_prompts(tokenizer, clients, args.prompt_tokens, seed + 1)
-    asyncio.run(serving.http_level(target, warm, clients, args.warmup_tokens, args.request_timeout, ignore_eos=True))
+    asyncio.run(serving.http_level(target, warm, clients, args.warmup_tokens, args.request_timeout, ignore_eos=True,
+                                   fresh_connections=fresh_connections))
     prompts = serving.make_prompts(tokenizer, max(8, args.per_client * clients), args.prompt_tokens, seed + 2)
     records, wall = asyncio.run(serving.http_level(target, prompts, clients, args.max_tokens, args.request_timeout,
-                                                   ignore_eos=True))
+                                                   ignore_eos=True, fresh_connections=fresh_connections))
     s = serving.summarize(records, wall)
     s.pop("per_request_tokens")
     print(f"    {clients:>3} clients: {s['completed']}/{s['requests']} ok, {s['output_tokens_per_s']:.1f} out tok/s, "
@@ -484,7 +519,8 @@ SERVED_KEYS = ("output_tokens_per_s", "ttft_p50", "ttft_p90", "itl_p50", "itl_p9
 
 
 def served_summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (dtype, clients): each engine's medians over the rounds of every figure, and cbserve/vLLM."""
+    """Per (dtype, clients): each engine's medians over the rounds of every figure, cbserve/vLLM and,
+    on the same GGUF file, cbserve_gguf/llama.cpp."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     for res in results:
         for level in res["levels"]:
@@ -496,9 +532,13 @@ def served_summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows.values():
         medians = {e: {k: common.median([v for v in vs if v is not None]) for k, vs in by_key.items()}
                    for e, by_key in row.pop("values").items()}
-        ratios = {k: common.ratio(medians.get("cbserve", {}).get(k), medians.get(PEER, {}).get(k)) for k in SERVED_KEYS}
-        out.append({**row, "median": medians, "ratio_to_vllm": ratios})
+        out.append({**row, "median": medians, "ratio_to_vllm": _served_ratios(medians, "cbserve", PEER),
+                    "gguf_to_llamacpp": _served_ratios(medians, "cbserve_gguf", "llamacpp")})
     return out
+
+
+def _served_ratios(medians: dict[str, dict[str, float]], ours: str, peer: str) -> dict[str, float | None]:
+    return {k: common.ratio(medians.get(ours, {}).get(k), medians.get(peer, {}).get(k)) for k in SERVED_KEYS}
 
 
 def startup_summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -548,21 +588,25 @@ def format_offline(rows: list[dict[str, Any]]) -> str:
 
 
 def format_served(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'dtype':<9} {'clients':>7} {'engine':<8} {'out tok/s':>10} {'TTFT p50/p90 ms':>16} {'ITL p50/p90 ms':>15}"]
+    header = f"{'dtype':<9} {'clients':>7} {'engine':<12} {'out tok/s':>10} {'TTFT p50/p90 ms':>16} {'ITL p50/p90 ms':>15}"
+    lines = [header]
     for row in rows:
         for engine, m in row["median"].items():
-            lines.append(f"{row['dtype']:<9} {row['clients']:>7} {engine:<8} {_s(m['output_tokens_per_s']):>10} "
+            lines.append(f"{row['dtype']:<9} {row['clients']:>7} {engine:<12} {_s(m['output_tokens_per_s']):>10} "
                          f"{_ms(m['ttft_p50']) + '/' + _ms(m['ttft_p90']):>16} "
                          f"{_ms(m['itl_p50']) + '/' + _ms(m['itl_p90']):>15}")
-        r = row["ratio_to_vllm"]
-        lines.append(f"{'':<9} {row['clients']:>7} cbserve/vLLM: out tok/s {_x(r['output_tokens_per_s'])}, "
-                     f"TTFT p50 {_x(r['ttft_p50'])}, ITL p50 {_x(r['itl_p50'])}")
+        for name, key, pair in (("cbserve/vLLM", "ratio_to_vllm", ("cbserve", PEER)),
+                                ("cbserve_gguf/llama.cpp", "gguf_to_llamacpp", ("cbserve_gguf", "llamacpp"))):
+            r = row.get(key)
+            if r and set(pair) <= set(row["median"]):
+                lines.append(f"{'':<9} {row['clients']:>7} {name}: out tok/s {_x(r['output_tokens_per_s'])}, "
+                             f"TTFT p50 {_x(r['ttft_p50'])}, ITL p50 {_x(r['itl_p50'])}")
     return "\n".join(lines)
 
 
 def format_startup(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'dtype':<9} {'engine':<8} {'to ready s':>10} {'to first token s':>17}"]
-    lines += [f"{r['dtype']:<9} {r['engine']:<8} {_s(r['ready_s']):>10} {_s(r['first_token_s']):>17}" for r in rows]
+    lines = [f"{'dtype':<9} {'engine':<12} {'to ready s':>10} {'to first token s':>17}"]
+    lines += [f"{r['dtype']:<9} {r['engine']:<12} {_s(r['ready_s']):>10} {_s(r['first_token_s']):>17}" for r in rows]
     return "\n".join(lines)
 
 
@@ -577,7 +621,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", type=_csv, default=["offline", "served"], help="offline,served (default both)")
     p.add_argument("--engines", type=_csv, default=["cbserve", "vllm"],
-                   help=f"offline: a subset of {OFFLINE_ENGINES}; served: cbserve and vllm")
+                   help=f"offline: a subset of {OFFLINE_ENGINES}; served: of {SERVED_ENGINES}")
     p.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
     p.add_argument("--workloads", type=_csv, default=list(common.WORKLOADS))
     p.add_argument("--requests", type=int, default=None, help="shrink every offline workload to N requests")
@@ -590,7 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (its dequantized cache folder)")
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_PEER_PYTHON)
     p.add_argument("--llamacpp-python", type=Path, default=DEFAULT_LLAMACPP_PYTHON,
-                   help="the venv of `make peers-llamacpp` (engine llamacpp)")
+                   help="the venv of `make peers-llamacpp` (engine llamacpp, offline)")
+    p.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER,
+                   help="llama.cpp's server binary (engine llamacpp, served; `make peers-llamacpp` builds it)")
     p.add_argument("--vllm-settings", default="tune", help="tune, or one candidate: defaults, all-cores, nobind, "
                    "all-cores+tcmalloc, all-cores+tcmalloc+iomp")
     p.add_argument("--tune-requests", type=int, default=16, help="requests of the mixed probe per candidate")
@@ -634,11 +680,14 @@ def plan_engines(args: argparse.Namespace, peer_missing: str | None) -> tuple[li
     if peer_missing and set(VLLM_ENGINES) & set(args.engines):
         print(f"SKIPPING vLLM: {peer_missing}; measuring cbserve alone (no ratios)", flush=True)
         offline, served = [e for e in offline if e not in VLLM_ENGINES], [e for e in served if e != PEER]
-    if "llamacpp" in offline:
+    if "llamacpp" in offline and "offline" in args.mode:
         _, missing = peer_status(args.llamacpp_python, module="llama_cpp", target="peers-llamacpp")
         if missing:
             print(f"SKIPPING llama.cpp: {missing}", flush=True)
             offline = [e for e in offline if e != "llamacpp"]
+    if "llamacpp" in served and ("served" in args.mode) and not os.access(args.llama_server, os.X_OK):
+        print(f"SKIPPING llama.cpp's server: no {args.llama_server} (`make peers-llamacpp` builds it)", flush=True)
+        served = [e for e in served if e != "llamacpp"]
     return offline, served
 
 

@@ -142,14 +142,16 @@ async def engine_level(manager: Any, eos: Any, prompts: list[list[int]], concurr
 
 async def http_level(target: load.Target, prompts: list[list[int]], concurrency: int,
                      max_tokens: int, timeout: float, ignore_eos: bool = False,
-                     models: list[str] | None = None) -> tuple[list[Record], float]:
-    """`models`: each request's `model` (LoRA adapters, bench/lora.py); default the target's."""
+                     models: list[str] | None = None, fresh_connections: bool = False) -> tuple[list[Record], float]:
+    """`models`: each request's `model` (LoRA adapters, bench/lora.py); default the target's.
+    `fresh_connections`: a connection per request (llama.cpp's server closes a connection after a
+    streamed answer, and the next request on it fails)."""
     import dataclasses
 
     import aiohttp
 
     sampling = load.Sampling(endpoint="completions", temperature=0.0, ignore_eos=ignore_eos)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
 
         async def one(i: int) -> Record:

@@ -122,6 +122,24 @@ def test_vllm_candidates_and_the_fastest() -> None:
         peers.pick_fastest({"defaults": None})
 
 
+def test_served_summary_compares_the_gguf_app_with_llamacpp_on_the_same_file() -> None:
+    results = [_served("cbserve_gguf", 90.0, 0.020, 0.10, 30.0, 31.0), _served("llamacpp", 60.0, 0.040, 0.05, 2.0, 2.1)]
+    (row,) = peers.served_summary(results)
+    assert row["gguf_to_llamacpp"]["output_tokens_per_s"] == pytest.approx(1.5)
+    assert row["gguf_to_llamacpp"]["itl_p50"] == pytest.approx(0.5)
+    text = peers.format_served([row])
+    assert "cbserve_gguf/llama.cpp: out tok/s 1.50x" in text and "cbserve/vLLM" not in text
+
+
+def test_a_missing_llama_server_is_skipped_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = peers.parse_args(["--engines", "cbserve_gguf,llamacpp",
+                             "--llama-server", str(tmp_path / "llama-server"),
+                             "--llamacpp-python", str(tmp_path / "bin" / "python")])
+    assert peers.plan_engines(args, None) == (["cbserve_gguf"], ["cbserve_gguf"])
+    out = capsys.readouterr().out
+    assert "SKIPPING llama.cpp's server" in out and "SKIPPING llama.cpp:" in out
+
+
 def test_missing_peer_is_skipped_saying_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     version, missing = peers.peer_status(tmp_path / "no-venv" / "bin" / "python")
     assert version is None and "make peers" in missing
