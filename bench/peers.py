@@ -685,7 +685,7 @@ def plan_engines(args: argparse.Namespace, peer_missing: str | None) -> tuple[li
         if missing:
             print(f"SKIPPING llama.cpp: {missing}", flush=True)
             offline = [e for e in offline if e != "llamacpp"]
-    if "llamacpp" in served and ("served" in args.mode) and not os.access(args.llama_server, os.X_OK):
+    if "llamacpp" in served and "served" in args.mode and not os.access(args.llama_server, os.X_OK):
         print(f"SKIPPING llama.cpp's server: no {args.llama_server} (`make peers-llamacpp` builds it)", flush=True)
         served = [e for e in served if e != "llamacpp"]
     return offline, served
