@@ -34,7 +34,7 @@ from cbserve.batch.schema import record_key
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.serving.front.replies import ChoiceResult
 from cbserve.serving.protocol import WorkerRequest
-from tests.support.cluster import tiny_model_dir
+from tests.support.cluster import start_local_ray, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = {"page_size": 8, "num_blocks": 256, "max_batch_tokens": 128}
@@ -291,7 +291,7 @@ def test_engine_actor_raising_is_a_record_not_lost(model_dir: Path, tmp_path: Pa
              {"id": "refuse", "prompt": "refuse", "raw": True}, GOOD[1]]
     inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         pool = EnginePool(engine_args(model_dir), 1, 1, 1.0, 0.0, actor_cls=RaisingActor)
         first = asyncio.run(run_job(make_job(model_dir, inp, out, pool, retries=1)))

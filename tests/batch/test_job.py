@@ -31,7 +31,7 @@ import pytest
 from cbserve.batch.io import prepare_output
 from cbserve.batch.job import BatchOptions, run_batch
 from cbserve.batch.schema import BatchLine, parse_line, record_key
-from tests.support.cluster import WORDS, free_port, tiny_model_dir
+from tests.support.cluster import WORDS, free_port, start_local_ray, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE = {"page_size": 8, "num_blocks": 512, "max_batch_tokens": 256}
@@ -326,7 +326,7 @@ class TestOnLocalRay:
         import ray
 
         # address="local": a new cluster, never one that `ray start` left on this machine
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             yield
         finally:

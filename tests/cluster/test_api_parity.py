@@ -22,7 +22,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from tests.support.cluster import PROXY_PATIENCE, _start_serve, tiny_model_dir
+from tests.support.cluster import PROXY_PATIENCE, _start_serve, start_local_ray, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -67,7 +67,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model_dir = _long_model(tmp_path_factory)
     added = [k for k in PROXY_PATIENCE if k not in os.environ]
     os.environ.update({k: PROXY_PATIENCE[k] for k in added})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         http_port, grpc_port = _start_serve(serve)
         serve.run(build_app(_args(model_dir)), name="cbserve", route_prefix="/")

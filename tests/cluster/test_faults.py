@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import WORDS, free_port, tiny_model_dir
+from tests.support.cluster import WORDS, free_port, start_local_ray, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -100,7 +100,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     try:  # ray.init inside: a start that times out still gets its processes shut down
         with pytest.MonkeyPatch.context() as env:
             env.setenv("RAY_worker_niceness", "0")  # read by the raylet that ray.init starts
-            ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+            start_local_ray(num_cpus=6, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         t0 = time.monotonic()
         serve.run_many([RunTarget(build_app(_faults_args(model_dir, 2)), name="faults", route_prefix="/faults"),

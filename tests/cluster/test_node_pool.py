@@ -17,7 +17,7 @@ import pytest
 
 from cbserve.cluster.settings import ClusterArgs
 from cbserve.serving.protocol import Sampling, WorkerRequest
-from tests.support.cluster import tiny_model_dir
+from tests.support.cluster import start_local_ray, tiny_model_dir
 
 PAGE = 16
 SYSTEM_TOKENS = 20 * PAGE
@@ -28,7 +28,7 @@ QUESTION_TOKENS = 8
 def ray_local():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -70,3 +70,32 @@ def test_no_other_module_uses_rays_private_api() -> None:
             if pattern.search(line.split("#", 1)[0]):
                 hits.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
     assert not hits, "Ray's private API outside ray_compat.py:\n" + "\n".join(hits)
+
+
+def test_a_local_ray_whose_gcs_never_reported_its_port_is_started_once_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' `start_local_ray`: one more `ray.init` after Ray's "Timed out waiting for file"
+    (a GCS server that never started), never after any other error, and not a third time."""
+    import ray
+
+    from tests.support.cluster import start_local_ray
+
+    calls: list[dict[str, Any]] = []
+    errors = [RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_y"), None]
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append({"shutdown": True}))
+
+    def init(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        error = errors.pop(0)
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(ray, "init", init)
+    start_local_ray(num_cpus=2)
+    assert calls == [{"address": "local", "num_cpus": 2}, {"shutdown": True}, {"address": "local", "num_cpus": 2}]
+
+    errors[:] = [RuntimeError("Timed out waiting for file a"), RuntimeError("Timed out waiting for file b")]
+    with pytest.raises(RuntimeError, match="file b"):
+        start_local_ray()
+    errors[:] = [RuntimeError("another failure")]
+    with pytest.raises(RuntimeError, match="another failure"):
+        start_local_ray()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import free_port, tiny_model_dir
+from tests.support.cluster import free_port, start_local_ray, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model_dir = tiny_model_dir(tmp_path_factory)
     http_port, grpc_port = free_port(), free_port()
     # address="local": a new cluster, never one that `ray start` left on this machine
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},

@@ -131,6 +131,24 @@ def _start_serve(serve: Any) -> tuple[int, int]:
     raise AssertionError("unreachable")
 
 
+def start_local_ray(**options: Any) -> None:
+    """`ray.init(address="local", **options)`, once more if the new cluster's GCS server never
+    reported its port: a CI run's pytest process (gRPC printed that other threads were in gRPC
+    calls at the fork) timed out waiting for a GCS server that had written no log at all. Ray
+    forks it with a Python `preexec_fn`, which is not safe beside other threads: the likely cause."""
+    import ray
+
+    for attempt in range(2):
+        try:
+            ray.init(address="local", **options)
+            return
+        except RuntimeError as exc:
+            if attempt or "Timed out waiting for file" not in str(exc):
+                raise
+            print(f"ray.init failed ({exc}); starting a new local cluster", flush=True)
+            ray.shutdown()
+
+
 @contextlib.contextmanager
 def serve_app(args: dict[str, Any]) -> Iterator[tuple[Any, int, int]]:
     """A local Ray with the cbserve app of `args` at route "/"; yields (serve, http port, gRPC
@@ -142,7 +160,7 @@ def serve_app(args: dict[str, Any]) -> Iterator[tuple[Any, int, int]]:
 
     added = [k for k in PROXY_PATIENCE if k not in os.environ]
     os.environ.update({k: PROXY_PATIENCE[k] for k in added})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         http_port, grpc_port = _start_serve(serve)
         serve.run(build_app(args), name="cbserve", route_prefix="/")
