@@ -18,7 +18,8 @@ its venv's Python (`make peers` installs it into .venv-vllm):
   clients: output tok/s, TTFT and ITL p50/p90; and each server's time to ready and to its first token.
   With `cbserve_gguf` and `llamacpp` among the engines: the app on the GGUF file's own blocks
   (quantization 'auto') and llama.cpp's `llama-server` on the same file, one slot per client
-  (continuous batching).
+  (continuous batching; it runs the file's own formats in every dtype's rounds, as the peer of
+  each).
 - float32 and bfloat16. vLLM gets its documented CPU settings (VLLM_CPU_KVCACHE_SPACE,
   VLLM_CPU_NUM_OF_RESERVED_CPU, VLLM_CPU_OMP_THREADS_BIND, tcmalloc / libiomp preload): with
   `--vllm-settings tune` (the default) each candidate runs a short offline probe and the fastest is
@@ -371,18 +372,27 @@ def start_vllm_server(stack: contextlib.ExitStack, args: argparse.Namespace, fol
     """`python -m vllm.entrypoints.openai.api_server` on a free loopback port (`extra`: more of its
     arguments); SIGINT at the end."""
     import load
-    import serving
 
     port = load.free_port()
     cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
            "--served-model-name", Path(folder).name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", dtype, "--seed", str(args.seed), "--uvicorn-log-level", "warning", *(extra or ())]
+    return _serve_process(stack, cmd, port, log, args.start_timeout,
+                          {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
+
+
+def _serve_process(stack: contextlib.ExitStack, cmd: list[str], port: int, log: Path, timeout: float,
+                   env: dict[str, str] | None = None) -> str:
+    """A peer's server `cmd` listening on loopback `port`, in its own process group, its output in
+    `log`; the base URL once it answers; SIGINT at the end."""
+    import serving
+
     out = stack.enter_context(open(log, "wb"))  # noqa: SIM115 - closed by the stack
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
+                            env={**os.environ, **(env or {})})
     stack.callback(serving.stop_server, proc)
     base = f"http://127.0.0.1:{port}"
-    serving.wait_until_ready(proc, base, args.start_timeout, log)
+    serving.wait_until_ready(proc, base, timeout, log)
     return base
 
 
@@ -409,19 +419,13 @@ def start_llamacpp_server(stack: contextlib.ExitStack, args: argparse.Namespace,
     clients: one slot per client of the largest level (`-np`), continuous batching (its default),
     a unified KV cache of the slots' whole context, every CPU for decode and prompt threads."""
     import load
-    import serving
 
     port, slots, threads = load.free_port(), max(args.clients), len(os.sched_getaffinity(0))
     context = slots * (args.prompt_tokens + args.max_tokens + 64)
     cmd = [str(args.llama_server), "-m", gguf_file(args.model), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(context), "--kv-unified", "-t", str(threads), "-tb", str(threads),
            "--no-webui", "--seed", str(args.seed)]
-    out = stack.enter_context(open(log, "wb"))  # noqa: SIM115 - closed by the stack
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, process_group=0)
-    stack.callback(serving.stop_server, proc)
-    base = f"http://127.0.0.1:{port}"
-    serving.wait_until_ready(proc, base, args.start_timeout, log)
-    return base
+    return _serve_process(stack, cmd, port, log, args.start_timeout)
 
 
 def served_round(args: argparse.Namespace, engine: str, dtype: str, folder: str, tokenizer: Any,
@@ -597,8 +601,8 @@ def format_served(rows: list[dict[str, Any]]) -> str:
                          f"{_ms(m['itl_p50']) + '/' + _ms(m['itl_p90']):>15}")
         for name, key, pair in (("cbserve/vLLM", "ratio_to_vllm", ("cbserve", PEER)),
                                 ("cbserve_gguf/llama.cpp", "gguf_to_llamacpp", ("cbserve_gguf", "llamacpp"))):
-            r = row.get(key)
-            if r and set(pair) <= set(row["median"]):
+            if set(pair) <= set(row["median"]):
+                r = row[key]
                 lines.append(f"{'':<9} {row['clients']:>7} {name}: out tok/s {_x(r['output_tokens_per_s'])}, "
                              f"TTFT p50 {_x(r['ttft_p50'])}, ITL p50 {_x(r['itl_p50'])}")
     return "\n".join(lines)
