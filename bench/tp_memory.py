@@ -6,8 +6,11 @@ from the checkpoint, `cbserve.models.load_model_shard`; `--loader full`: rank 0 
 with `cbserve.load_model` and the engine shards it), runs a few greedy requests, and reports the
 peak resident set of rank 0 (`ru_maxrss`) and of every other rank (`VmHWM` of /proc/<pid>/status,
 read before the ranks exit). The ratio compares the largest process of each size to tp_size 1.
+`--quantization auto|int8`: every rank runs its shard on quantized blocks; the weights rank 0
+then holds are reported too (the peak includes the dense shard it quantized from).
 
     python bench/tp_memory.py --tp-sizes 1,3 --dtype float32
+    python bench/tp_memory.py --tp-sizes 1,3 --dtype bfloat16 --quantization auto
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def child(args: argparse.Namespace) -> None:
     prompts = [torch.randint(3, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(args.requests)]
     gc = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None)
-    cfg = cbserve.ContinuousBatchingConfig(tp_size=args.tp_size)
+    cfg = cbserve.ContinuousBatchingConfig(tp_size=args.tp_size, quantization=args.quantization)
     hint = Workload(max_total_tokens=args.requests * (args.prompt_tokens + args.new_tokens),
                     num_requests=args.requests)
     engine = build_engine(model, gc, cfg, hint)
@@ -64,12 +67,14 @@ def child(args: argparse.Namespace) -> None:
             engine.step()
         pids = engine.parallel.rank_pids if engine.parallel is not None else []
         others = [vm_hwm_mib(pid) for pid in pids]
-        params = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**20
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*engine.model.parameters(), *engine.model.buffers())}
+        weights = sum(storages.values()) / 2**20  # parameters and quantized blocks, each storage once
     finally:
         engine.release_model()
     rank0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"tp_size": args.tp_size, "ranks_mib": [rank0, *others], "load_s": loaded,
-                      "rank0_param_mib": params, "tokens": [r.generated for r in requests]}))
+                      "rank0_weights_mib": weights, "tokens": [r.generated for r in requests]}))
 
 
 def main() -> None:
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tp-sizes", default="1,3")
     parser.add_argument("--loader", choices=["shard", "full"], default="shard")
+    parser.add_argument("--quantization", choices=["none", "auto", "int8"], default="none")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -88,7 +94,7 @@ def main() -> None:
         return
     results = {}
     for tp in (int(s) for s in args.tp_sizes.split(",")):
-        cmd = [sys.executable, __file__, "--tp-size", str(tp), "--dtype", args.dtype, "--loader", args.loader,
+        cmd = [sys.executable, __file__, "--tp-size", str(tp), "--dtype", args.dtype, "--loader", args.loader, "--quantization", args.quantization,
                "--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ})
@@ -96,13 +102,14 @@ def main() -> None:
     base = max(results[min(results)]["ranks_mib"])
     first = results[min(results)]["tokens"]
     print(f"model {args.model or 'default'}, dtype {args.dtype}, loader {args.loader}, "
+          f"quantization {args.quantization}, "
           f"{args.requests} requests x ({args.prompt_tokens} + {args.new_tokens}) tokens")
     for tp, r in results.items():
         ranks = ", ".join(f"{m:.0f}" for m in r["ranks_mib"])
         same = "same tokens" if r["tokens"] == first else "DIFFERENT tokens"
         print(f"tp_size={tp}: peak RSS per rank [{ranks}] MiB; largest {max(r['ranks_mib']):.0f} MiB = "
-              f"{max(r['ranks_mib']) / base:.2f} of tp_size={min(results)}; rank 0 parameters "
-              f"{r['rank0_param_mib']:.0f} MiB; load {r['load_s']:.1f} s; {same}")
+              f"{max(r['ranks_mib']) / base:.2f} of tp_size={min(results)}; rank 0 weights "
+              f"{r['rank0_weights_mib']:.0f} MiB; load {r['load_s']:.1f} s; {same}")
 
 
 if __name__ == "__main__":

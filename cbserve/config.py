@@ -139,7 +139,8 @@ class ContinuousBatchingConfig(BaseModel):
         "Q4_1 linear layers and embedding on the file's own blocks (kernels/quantized.py; replaced in the model, "
         "in place), other tensors stay dense; int8: any model's linear layers quantized at load to int8 weights "
         "with a float16 scale per block of 32 (GGUF's Q8_0 layout; weight-only, activations stay in the model's "
-        "dtype), in place; none: dense weights as loaded"
+        "dtype), in place; none: dense weights as loaded. Under tensor parallelism each rank quantizes its own "
+        "shard: its part of the whole model's blocks, split along whole blocks"
     )
     speculative: SpeculativeConfig | None = Field(
         None, description="speculative decoding (a SpeculativeConfig or a dict of its fields); None: off. A request "
@@ -244,9 +245,6 @@ class ContinuousBatchingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _device_only_features(self) -> ContinuousBatchingConfig:
-        if self.quantization != "none" and self.tp_size > 1:
-            raise ValueError(f"quantization={self.quantization!r} works with tp_size=1 only (quantized weights are "
-                             "not sharded yet)")
         if self.use_async_batching and self.tp_size > 1:
             raise ValueError("use_async_batching=True works with tp_size=1 only (the ranks get host inputs)")
         if not torch.cuda.is_available():

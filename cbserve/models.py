@@ -209,4 +209,7 @@ def load_model_shard(
     dtype = resolve_dtype(dtype)
     folder = checkpoint_folder(name_or_path)
     model = load_shard(folder, rank, world, dtype, device)
+    gguf = _resolve_gguf(name_or_path)
+    if gguf is not None:  # quantization='auto' reads this rank's part of the file's own blocks
+        setattr(model, GGUF_SOURCE, str(gguf[1]))
     return model, AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if tokenizer else None

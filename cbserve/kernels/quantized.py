@@ -22,6 +22,7 @@ quantizes a dense model's weights for them.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -172,19 +173,48 @@ def _reverse_permute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
-def _candidates(raw: torch.Tensor, name: str, config) -> list[torch.Tensor]:
-    """The file's rows as stored, then (q/k of Llama-style models) as transformers permutes them."""
+def _candidates(raw: torch.Tensor, name: str, config, world: int = 1) -> list[torch.Tensor]:
+    """The file's rows as stored, then (q/k of Llama-style models) as transformers permutes them.
+    `config` may be a shard's, of 1 / `world` of the heads; the file holds them all."""
     found = [raw]
     heads = getattr(config, "num_attention_heads", None)
     if heads and (".attn_q." in name or ".attn_k." in name):
         kv = getattr(config, "num_key_value_heads", None) or heads
-        found.append(_reverse_permute(raw, heads if ".attn_q." in name else kv))
+        found.append(_reverse_permute(raw, (heads if ".attn_q." in name else kv) * world))
     return found
 
 
-def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_invariant: bool = False) -> int:
+@dataclass(frozen=True)
+class BlockShard:
+    """A tensor-parallel rank's part of each of a model's weights, in whole blocks: a slice of the
+    output rows of a column-parallel layer, a slice of the blocks of every row of a row-parallel
+    one (blocks never straddle ranks: `workers/parallel/sharding.check_block_alignment`); other
+    layers whole. `head`: the path of a vocabulary-parallel head (`sharding.VocabParallelHead`,
+    a slice of the vocabulary's rows), quantized in place by its `quantize(blocks, fmt, ...)`."""
+
+    rank: int
+    world: int
+    rows: frozenset[str]  # column-parallel layers: their output features split
+    columns: frozenset[str]  # row-parallel layers: their input features split
+    head: str | None = None
+
+    def take(self, module_name: str, blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+        """This rank's part of `blocks` (the whole layer's, uint8 [out, in / 32 * bytes]), a copy."""
+        if module_name in self.rows or module_name == self.head:
+            n = blocks.shape[0] // self.world
+            return blocks[self.rank * n:(self.rank + 1) * n].clone()
+        if module_name in self.columns:
+            per_row = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[fmt])
+            n = per_row.shape[1] // self.world
+            return per_row[:, self.rank * n:(self.rank + 1) * n].reshape(blocks.shape[0], -1).clone()
+        return blocks
+
+
+def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_invariant: bool = False,
+                       shard: BlockShard | None = None) -> int:
     """Replace `model`'s linear layers and input embedding by quantized ones read from `gguf_path`
-    (the file the model was loaded from), in place; returns how many were replaced."""
+    (the file the model was loaded from), in place; returns how many were replaced. `model` may be
+    one rank's shard of the file's model: `shard` says which part of each tensor it holds."""
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
     config = model.config
@@ -194,10 +224,17 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
     names = get_tensor_name_map(arch, config.num_hidden_layers)
     tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
     dtype = next(model.parameters()).dtype
+    world = shard.world if shard is not None else 1
+    head = model.get_submodule(shard.head) if shard is not None and shard.head else None
+    modules = list(model.named_modules())
+    if head is not None:  # first: on its own blocks, it no longer reads a tied embedding's weight
+        modules.sort(key=lambda item: item[1] is not head)
     replaced, kept, raws = 0, [], {}
-    for module_name, module in list(model.named_modules()):
-        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or type(module) not in (
-                torch.nn.Linear, torch.nn.Embedding):
+    for module_name, module in modules:
+        if module is not head and type(module) not in (torch.nn.Linear, torch.nn.Embedding):
+            continue
+        if head is not None and head.reads(module):
+            kept.append(f"{module_name} (read whole by the vocabulary-parallel head)")
             continue
         gguf_name = names.get_name(module_name)
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
@@ -207,14 +244,21 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
         if fmt is None:
             kept.append(f"{module_name} ({tensor.tensor_type.name if tensor is not None else 'not in the file'})")
             continue
-        if tensor.name not in raws:  # one copy for a tied head and embedding
-            raws[tensor.name] = torch.from_numpy(tensor.data.copy()).reshape(module.weight.shape[0], -1)
+        if tensor.name not in raws:  # one copy for a tied head and embedding; [rows, bytes of a row]
+            raws[tensor.name] = torch.from_numpy(tensor.data.copy()).reshape(-1, tensor.data.shape[-1])
         raw = raws[tensor.name]
-        dense = module.weight.detach()
-        blocks = next((c.contiguous() for c in _candidates(raw, tensor.name, config)
+        dense = (module.local_weight() if module is head else module.weight).detach()
+        candidates = _candidates(raw, tensor.name, config, world)
+        if shard is not None:
+            candidates = [shard.take(module_name, c, fmt) for c in candidates]
+        blocks = next((c.contiguous() for c in candidates
                        if torch.equal(dequantize(c, fmt, dense.shape[1]).to(dense.dtype), dense)), None)
         if blocks is None:
             kept.append(f"{module_name} (its {fmt} blocks do not dequantize to the model's weights)")
+            continue
+        if module is head:
+            head.quantize(blocks, fmt, batch_invariant)
+            replaced += 1
             continue
         if isinstance(module, torch.nn.Embedding):
             new = QuantizedEmbedding(blocks, fmt, module.embedding_dim, dtype, module.padding_idx)
@@ -223,21 +267,54 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         replaced += 1
-    fuse_projections(model)
+    if shard is None:  # a shard runs transformers' forward (all-reduce hooks), which calls each projection
+        fuse_projections(model)
     if kept:
         logger.info("quantization 'auto': %d layers kept dense: %s", len(kept), ", ".join(kept))
     logger.info("quantization 'auto': %d layers run on %s's own blocks", replaced, Path(gguf_path).name)
     return replaced
 
 
-def quantize_dense(model: torch.nn.Module, fmt: str = "q8_0", batch_invariant: bool = False) -> int:
+def quantize_model(model: torch.nn.Module, quantization: str, batch_invariant: bool | None,
+                   shard: BlockShard | None = None) -> None:
+    """The model's dense layers replaced by quantized ones, in place: 'auto', the GGUF file's own
+    blocks; 'int8', the dense weights quantized to Q8_0 blocks. `shard`: the model is one rank's
+    shard (its layers' blocks are those of the whole model's layers, split along whole blocks)."""
+    done = getattr(model, QUANTIZED_AS, None)
+    if done == quantization:
+        return  # quantized by an earlier engine on this model
+    if done is not None:
+        raise ValueError(f"quantization={quantization!r}: this model's layers were replaced by an earlier engine's "
+                         f"quantization={done!r} (load the model again)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPUs only (the quantized kernels are C++ for "
+                         "x86-64)")
+    if quantization == "int8":  # a block of a shard's slice is the same block of the whole layer
+        quantize_dense(model, "q8_0", bool(batch_invariant), shard)
+    else:
+        gguf = getattr(model, GGUF_SOURCE, None)
+        if gguf is None:
+            raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
+                             f"or cbserve.load_model_shard (this {type(model).__name__} has no GGUF source)")
+        quantize_from_gguf(model, gguf, bool(batch_invariant), shard)
+    setattr(model, QUANTIZED_AS, quantization)
+
+
+def quantize_dense(model: torch.nn.Module, fmt: str = "q8_0", batch_invariant: bool = False,
+                   shard: BlockShard | None = None) -> int:
     """quantization='int8': `model`'s dense linear layers quantized to `fmt` blocks at load, in place
     (a tied input embedding shares the head's blocks); layers whose in_features is not a multiple of
-    32 stay dense. Returns how many layers were replaced."""
+    32 stay dense. `shard`: `model` is a tensor-parallel shard (whose layers quantize to their part
+    of the whole layers' blocks; its vocabulary-parallel head is quantized here). Returns how many
+    layers were replaced."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    tied = head is not None and embedding is not None and getattr(head, "weight", None) is embedding.weight
     replaced, kept = 0, []
+    parallel_head = model.get_submodule(shard.head) if shard is not None and shard.head is not None else None
+    if parallel_head is not None and parallel_head.local_weight().shape[1] % BLOCK == 0:
+        _quantize_parallel_head(parallel_head, model, fmt, batch_invariant)
+        replaced += 1
     for module_name, module in list(model.named_modules()):
         if type(module) is not torch.nn.Linear:
             continue
@@ -251,11 +328,25 @@ def quantize_dense(model: torch.nn.Module, fmt: str = "q8_0", batch_invariant: b
         if tied and module is head and type(embedding) is torch.nn.Embedding:
             model.set_input_embeddings(QuantizedEmbedding(new.blocks, fmt, embedding.embedding_dim,
                                                           embedding.weight.dtype, embedding.padding_idx))
-    fuse_projections(model)
+    if shard is None:  # a shard runs transformers' forward (all-reduce hooks), which calls each projection
+        fuse_projections(model)
     if kept:
         logger.info("quantization to %s: %d layers kept dense (in_features not a multiple of %d): %s",
                     fmt, len(kept), BLOCK, ", ".join(kept))
     return replaced
+
+
+def _quantize_parallel_head(head: torch.nn.Module, model: torch.nn.Module, fmt: str, batch_invariant: bool) -> None:
+    """A vocabulary-parallel head's rows quantized as the whole head's would be: tied to the input
+    embedding, that embedding is quantized too and the head's blocks view its rows (one copy)."""
+    embedding = model.get_input_embeddings()
+    if type(embedding) is torch.nn.Embedding and head.reads(embedding):
+        blocks = quantize(embedding.weight, fmt)
+        model.set_input_embeddings(QuantizedEmbedding(blocks, fmt, embedding.embedding_dim, embedding.weight.dtype,
+                                                      embedding.padding_idx))
+        head.quantize(blocks[head.start:head.stop], fmt, batch_invariant)
+    else:
+        head.quantize(quantize(head.local_weight(), fmt), fmt, batch_invariant)
 
 
 def fuse_projections(model: torch.nn.Module) -> int:

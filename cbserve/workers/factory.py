@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from cbserve.config import ContinuousBatchingConfig
-from cbserve.kernels import attention_backends, cpu_kernels, packed_linear
+from cbserve.kernels import attention_backends, cpu_kernels, packed_linear, quantized
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.ngram import NgramProposer
@@ -63,8 +63,8 @@ def build_engine(
 
 def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, workload: Workload,
                 parallel: TensorParallelLeader | None = None) -> EngineParts:
-    if config.quantization != "none":
-        quantize_model(model, config.quantization, config.batch_invariant)
+    if config.quantization != "none":  # a tensor-parallel shard was quantized by its leader
+        quantized.quantize_model(model, config.quantization, config.batch_invariant)
     shape = ModelShape.from_model(model)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
@@ -129,31 +129,6 @@ def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dic
     return {"proposer": proposer, "speculate_below": spec.disable_by_batch_size,
             "num_speculative_tokens": spec.num_speculative_tokens,
             "adaptive_lookahead": spec.num_speculative_tokens_schedule == "heuristic"}
-
-
-def quantize_model(model: torch.nn.Module, quantization: str, batch_invariant: bool | None) -> None:
-    """The model's dense layers replaced by quantized ones, in place: 'auto', the GGUF file's own
-    blocks; 'int8', the dense weights quantized to Q8_0 blocks."""
-    from cbserve.kernels import quantized
-
-    done = getattr(model, quantized.QUANTIZED_AS, None)
-    if done == quantization:
-        return  # quantized by an earlier engine on this model
-    if done is not None:
-        raise ValueError(f"quantization={quantization!r}: this model's layers were replaced by an earlier engine's "
-                         f"quantization={done!r} (load the model again)")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPUs only (the quantized kernels are C++ for "
-                         "x86-64)")
-    if quantization == "int8":
-        quantized.quantize_dense(model, "q8_0", bool(batch_invariant))
-    else:
-        gguf = getattr(model, quantized.GGUF_SOURCE, None)
-        if gguf is None:
-            raise ValueError("quantization='auto' needs a model loaded from a GGUF file by cbserve.load_model "
-                             f"(this {type(model).__name__} has no GGUF source)")
-        quantized.quantize_from_gguf(model, gguf, bool(batch_invariant))
-    setattr(model, quantized.QUANTIZED_AS, quantization)
 
 
 def build_runner(model: torch.nn.Module, config: ContinuousBatchingConfig, cache: PagedKVCache,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cbserve.config import ContinuousBatchingConfig
+from cbserve.kernels.quantized import GGUF_SOURCE
 from cbserve.workers.parallel.follower import follow
 from cbserve.workers.parallel.groups import (
     NO_TIMEOUT_S,
@@ -42,7 +43,13 @@ from cbserve.workers.parallel.groups import (
     destroy,
 )
 from cbserve.workers.parallel.loading import load_shard
-from cbserve.workers.parallel.sharding import check_parallel_config, is_shard, shard_model, shard_spec
+from cbserve.workers.parallel.sharding import (
+    check_parallel_config,
+    is_shard,
+    quantize_shard,
+    shard_model,
+    shard_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +206,18 @@ class PackedModule:
 
 @dataclass(frozen=True)
 class CheckpointShard:
-    """A rank's shard to be read by the rank itself from the checkpoint rank 0's came from."""
+    """A rank's shard to be read by the rank itself from the checkpoint rank 0's came from (and
+    the GGUF file that checkpoint was dequantized from, if any: quantization='auto' reads it)."""
 
     folder: str
     dtype: torch.dtype
+    gguf: str | None = None
 
     def materialize(self, rank: int, world: int, device: torch.device) -> torch.nn.Module:
-        return load_shard(self.folder, rank, world, self.dtype, device)
+        shard = load_shard(self.folder, rank, world, self.dtype, device)
+        if self.gguf is not None:
+            setattr(shard, GGUF_SOURCE, self.gguf)
+        return shard
 
 
 def shard_source(model: torch.nn.Module, rank: int, world: int) -> CheckpointShard | PackedModule:
@@ -213,13 +225,13 @@ def shard_source(model: torch.nn.Module, rank: int, world: int) -> CheckpointSha
     came from one, else sliced here and handed over in shared memory."""
     spec = shard_spec(model)
     if spec is not None and spec.source is not None:
-        return CheckpointShard(spec.source, spec.dtype)
+        return CheckpointShard(spec.source, spec.dtype, getattr(model, GGUF_SOURCE, None))
     return PackedModule.pack(shard_model(model, rank, world))
 
 
 def worker_main(rank: int, world: int, port: int, packed: CheckpointShard | PackedModule, timeout: float,
-                device_name: str, num_threads: int) -> None:
-    """Entry point of a local rank process."""
+                device_name: str, num_threads: int, quantization: tuple[str, bool | None]) -> None:
+    """Entry point of a local rank process; `quantization`: the engine's (quantization, batch_invariant)."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(num_threads)
     device = torch.device(device_name)
@@ -227,6 +239,7 @@ def worker_main(rank: int, world: int, port: int, packed: CheckpointShard | Pack
         torch.cuda.set_device(device)
     try:  # before saying ready: rank 0 waits for that, bounded by STARTUP_TIMEOUT_S, watching this process
         shard = packed.materialize(rank, world, device)
+        quantize_shard(shard, *quantization)
     except Exception:
         logger.exception("tensor-parallel rank %d could not load its shard", rank)
         raise SystemExit(1) from None
@@ -250,7 +263,8 @@ def worker_main(rank: int, world: int, port: int, packed: CheckpointShard | Pack
 class LocalRanks:
     """Ranks 1..N-1 as local processes; rank 0 is the calling process."""
 
-    def __init__(self, model: torch.nn.Module, world: int, timeout: float, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, world: int, timeout: float, device: torch.device,
+                 quantization: tuple[str, bool | None] = ("none", False)) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         self.world = world
@@ -264,7 +278,7 @@ class LocalRanks:
                 packed = shard_source(model, rank, world)
                 proc = ctx.Process(target=worker_main, name=f"cbserve-tp-rank{rank}", daemon=True,
                                    args=(rank, world, self.store.port, packed, timeout,
-                                         str(rank_device(device, rank)), threads))
+                                         str(rank_device(device, rank)), threads, quantization))
                 proc.start()
                 self.procs.append(proc)
                 del packed
@@ -344,6 +358,7 @@ def serve_tensor_parallel_rank(model: torch.nn.Module, config: ContinuousBatchin
         raise ValueError(f"rank {groups.rank} was given shard {shard_spec(model).rank}; load shard {groups.rank}")
     try:
         shard = model if is_shard(model) else shard_model(model, groups.rank, config.tp_size)
+        quantize_shard(shard, config.quantization, config.batch_invariant)
         return follow(shard, groups, device)
     finally:
         destroy([groups.data, groups.control, groups.health])

@@ -40,6 +40,7 @@ from cbserve.workers.parallel.sharding import (
     check_parallel_config,
     install_all_reduce,
     is_shard,
+    quantize_shard,
     shard_model,
     shard_spec,
 )
@@ -163,7 +164,7 @@ def _start_group(model: torch.nn.Module, config: ContinuousBatchingConfig,
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed group is already initialized in this process: pass "
                            "tp_launcher='external' to use it, or 'torchrun'")
-    local = LocalRanks(model, world, timeout, device)
+    local = LocalRanks(model, world, timeout, device, (config.quantization, config.batch_invariant))
     try:
         local.init_group(device)
         groups = TPGroups(0, world, timeout, data_backend(device))
@@ -191,6 +192,7 @@ class TensorParallelLeader:
         self._finalizer = weakref.finalize(self, self._ranks.close)
         try:
             self.shard = model if is_shard(model) else shard_model(model, 0, self.world)
+            quantize_shard(self.shard, config.quantization, config.batch_invariant)
             self._hooks = install_all_reduce(self.shard, groups.data)
         except BaseException:
             self.abort()

@@ -45,6 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cbserve.kernels.quantized import BLOCK, QUANTIZED_AS, BlockShard, QuantizedLinear, quantize_model
+
 logger = logging.getLogger(__name__)
 
 COLWISE, ROWWISE, REPLICATE = "colwise", "rowwise", "replicate"
@@ -109,7 +111,7 @@ def tp_rules(model: nn.Module) -> dict[str, str]:
         if rule is None:
             raise ValueError(f"tensor parallelism: {type(model).__name__}'s plan shards {path} as {style!r}, which "
                              f"cbserve does not run (it runs {sorted(STYLES)})")
-        if rule != REPLICATE and not isinstance(module, nn.Linear):
+        if rule != REPLICATE and not isinstance(module, (nn.Linear, QuantizedLinear)):
             raise ValueError(f"tensor parallelism: {path} is planned {style!r} but is a {type(module).__name__}, "
                              "not a Linear")
         rules[path] = rule
@@ -125,7 +127,28 @@ def check_parallel_config(model: nn.Module, config) -> None:
             raise ValueError(f"the model is shard {spec.rank} of {spec.world} but tp_size={config.tp_size}; "
                              f"load it with world={config.tp_size}")
     else:
+        done = getattr(model, QUANTIZED_AS, None)
+        if done is not None:
+            raise ValueError(f"tp_size={config.tp_size}: this model's layers were quantized in place by an earlier "
+                             f"engine (quantization={done!r}); load the model again to shard it")
         check_tp_size(model, config.tp_size)
+    if config.quantization != "none":
+        check_block_alignment(model, config.tp_size)
+
+
+def check_block_alignment(model: nn.Module, tp_size: int) -> None:
+    """Quantized weights are split along whole blocks of `BLOCK` input features: refuse a tp_size
+    that would cut a row-parallel layer's blocks (a layer too narrow for blocks stays dense
+    whatever the tp_size)."""
+    shards = tp_size if is_shard(model) else 1  # a shard's layers hold 1 / tp_size of the features
+    for path, rule in tp_rules(model).items():
+        if rule != ROWWISE:
+            continue
+        whole = model.get_submodule(path).in_features * shards
+        if whole % BLOCK == 0 and (whole // tp_size) % BLOCK:
+            raise ValueError(f"quantization with tp_size={tp_size}: {path}'s {whole} input features split "
+                             f"{tp_size} ways ({whole // tp_size} each) would cut its blocks of {BLOCK}; "
+                             f"choose a tp_size that divides {whole // BLOCK} blocks, or quantization='none'")
 
 
 def check_tp_size(model: nn.Module, tp_size: int) -> None:
@@ -216,14 +239,26 @@ class VocabParallelHead(nn.Module):
         self._tied = [tied] if tied is not None else []  # a list: not registered as a submodule
         if weight is not None:
             self.weight = _param(weight.detach()[self.start : self.stop])
+        self.quantized: QuantizedLinear | None = None  # its rows on quantized blocks (`quantize`)
         self.group: dist.ProcessGroup | None = None
         self.gather = False  # set by `install_all_reduce` once the group exists
+
+    def reads(self, module: nn.Module) -> bool:
+        """Whether this head's weight is a view of `module`'s (the tied input embedding)."""
+        return bool(self._tied) and self._tied[0] is module
 
     def local_weight(self) -> torch.Tensor:
         return self._tied[0].weight[self.start : self.stop] if self._tied else self.weight
 
+    def quantize(self, blocks: torch.Tensor, fmt: str, batch_invariant: bool) -> None:
+        """Run this rank's rows on `blocks` (quantization); the dense weight (or tie) is dropped."""
+        self.quantized = QuantizedLinear(blocks, fmt, self.local_weight().shape[1], batch_invariant=batch_invariant)
+        self._tied = []
+        if "weight" in self._parameters:
+            del self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.local_weight()).contiguous()
+        local = (self.quantized(x) if self.quantized is not None else F.linear(x, self.local_weight())).contiguous()
         if not self.gather:
             return local
         parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else None
@@ -280,6 +315,22 @@ def shard_model(model: nn.Module, rank: int, world: int, inplace: bool = False) 
     source = getattr(shard_spec(model), "source", None)
     setattr(shard, SHARD_ATTR, ShardSpec(rank, world, source, next(model.parameters()).dtype))
     return shard
+
+
+def block_shard(shard: nn.Module) -> BlockShard:
+    """How `shard`'s quantized layers split the whole model's blocks (`kernels/quantized.py`)."""
+    spec = shard_spec(shard)
+    rules = tp_rules(shard)
+    head = next((path for path, module in shard.named_modules() if isinstance(module, VocabParallelHead)), None)
+    return BlockShard(spec.rank, spec.world, frozenset(p for p, r in rules.items() if r == COLWISE),
+                      frozenset(p for p, r in rules.items() if r == ROWWISE), head)
+
+
+def quantize_shard(shard: nn.Module, quantization: str, batch_invariant: bool | None) -> None:
+    """Quantize this rank's shard in place (before its all-reduce hooks go on): its layers'
+    blocks are the whole model's, split along whole blocks."""
+    if quantization != "none":
+        quantize_model(shard, quantization, batch_invariant, block_shard(shard))
 
 
 def _all_reduce(group: dist.ProcessGroup | None):

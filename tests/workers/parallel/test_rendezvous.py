@@ -100,14 +100,15 @@ def _external_rank(rank: int, ports, folder: str, prompts: list[list[int]], queu
         shard = load_shard(folder, rank, 2, torch.float64)
         gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
         cfg = cbserve.ContinuousBatchingConfig(tp_size=2, tp_launcher="external", page_size=16, num_blocks=64,
-                                               prepack_weights=False)
+                                               prepack_weights=False, return_logprobs=True)
         results = []
-        for _ in range(2):
+        # Two engines in a row, then a third on the same shards quantized by each rank (int8).
+        for engine_cfg in (cfg, cfg, cfg.model_copy(update={"quantization": "int8"})):
             if rank == 0:
-                outputs = cbserve.generate_batch(shard, prompts, gc, cfg, progress_bar=False)
-                results.append([o.generated_tokens for o in outputs.values()])
+                outputs = cbserve.generate_batch(shard, prompts, gc, engine_cfg, progress_bar=False)
+                results.append([(o.generated_tokens, o.logprobs) for o in outputs.values()])
             else:
-                cbserve.serve_tensor_parallel_rank(shard, cfg)
+                cbserve.serve_tensor_parallel_rank(shard, engine_cfg)
         assert not any(m._forward_hooks for m in shard.modules())  # the engines left no collective behind
         queue.put((rank, results))
     except BaseException as error:  # noqa: BLE001 - reported to the test
@@ -127,8 +128,10 @@ def test_an_external_group_serves_engines_in_a_row_from_shards_loaded_once(tmp_p
     model.save_pretrained(tmp_path)
     prompts = random_prompts([4, 20], seed=9)
     gc = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
-    reference = cbserve.generate_batch(model, prompts, gc, cbserve.ContinuousBatchingConfig(
-        page_size=16, num_blocks=64, prepack_weights=False), progress_bar=False)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=64, prepack_weights=False, return_logprobs=True)
+    reference = cbserve.generate_batch(model, prompts, gc, cfg, progress_bar=False)
+    quantized = cbserve.generate_batch(model, prompts, gc, cfg.model_copy(update={"quantization": "int8"}),
+                                       progress_bar=False)
     ctx = multiprocessing.get_context("spawn")
     queue, ports = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_external_rank, args=(r, ports, str(tmp_path), prompts, queue)) for r in (0, 1)]
@@ -139,5 +142,11 @@ def test_an_external_group_serves_engines_in_a_row_from_shards_loaded_once(tmp_p
     finally:
         for p in procs:
             p.join(30)
-    expected = [o.generated_tokens for o in reference.values()]
-    assert results == {0: [expected, expected], 1: []}, results
+    assert results[1] == [] and len(results[0]) == 3, results
+    for engine, want in zip(results[0], (reference, reference, quantized)):
+        for (tokens, logprobs), w in zip(engine, want.values()):
+            assert tokens == w.generated_tokens
+            assert logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    # The third engine's logprobs tell whether rank 1 quantized its shard: int8 moves them more.
+    dense, int8 = reference["req_1"].logprobs, quantized["req_1"].logprobs
+    assert max(abs(a - b) for a, b in zip(dense, int8)) > 1e-3
