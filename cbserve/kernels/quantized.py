@@ -131,8 +131,9 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= GEMV_ROWS or self.batch_invariant:
-            y = torch.ops.cbserve_cpu.quant_linear(x.float(), self.blocks, self.fmt, self.bias, self.isa)
-            return y.to(x.dtype)
+            if x.dtype in (torch.float32, torch.bfloat16):  # the kernel widens and rounds bfloat16 itself
+                return torch.ops.cbserve_cpu.quant_linear(x, self.blocks, self.fmt, self.bias, self.isa)
+            return torch.ops.cbserve_cpu.quant_linear(x.float(), self.blocks, self.fmt, self.bias, self.isa).to(x.dtype)
         if x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.cbserve_cpu.quant_linear_tiled(x, self.blocks, self.fmt, self.bias, self.isa)
         bias = None if self.bias is None else self.bias.to(x.dtype)  # e.g. float64: the weights whole

@@ -59,7 +59,7 @@ def test_dequantize_blocks_equals_the_reference(fmt: str, isa: str) -> None:
 def test_kernel_matches_the_reference_and_is_batch_invariant(fmt: str, isa: str) -> None:
     isa = _path(isa)
     torch.manual_seed(0)
-    n, k = 40, 160
+    n, k = 42, 160  # 42: decode rows go 4 weight rows at a time, then a ragged tail
     blocks, bias = quantize(torch.randn(n, k), fmt), torch.randn(n)
     dense = dequantize(blocks, fmt, k).double()
     x = torch.randn(19, k)
@@ -70,6 +70,10 @@ def test_kernel_matches_the_reference_and_is_batch_invariant(fmt: str, isa: str)
         assert torch.equal(torch.ops.cbserve_cpu.quant_linear(x[:rows], blocks, fmt, bias, isa), y[:rows])
     no_bias = torch.ops.cbserve_cpu.quant_linear(x[:3], blocks, fmt, None, isa)
     assert torch.allclose(no_bias + bias, y[:3], atol=1e-5)
+    for rows in (1, 19):  # bfloat16 in and out: the float32 call on the widened input, rounded once
+        xb = x[:rows].bfloat16()
+        want = torch.ops.cbserve_cpu.quant_linear(xb.float(), blocks, fmt, bias, isa).bfloat16()
+        assert torch.equal(torch.ops.cbserve_cpu.quant_linear(xb, blocks, fmt, bias, isa), want)
 
 
 @pytest.mark.parametrize("isa", PATHS)
