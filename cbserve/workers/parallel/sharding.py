@@ -16,6 +16,10 @@ Which linear layer splits how comes from the config's `base_model_tp_plan`, the 
   rank 0 gathers them (`VocabParallelHead`). With tied embeddings the slice is a view of the
   (replicated) input embedding: no memory at all, and a third of the head's work per rank.
 
+With `quantization`, each rank quantizes its own shard once it is made (`quantize_shard`): its
+layers hold their part of the whole model's blocks (`kernels/quantized.BlockShard`), split along
+whole blocks of 32 input features (`check_block_alignment` refuses a tp_size that would cut one).
+
 A model without a plan whose layers have q/k/v/o_proj and gate/up/down_proj linears gets the
 Llama plan. Other styles (fused ``packed_colwise`` projections, MoE experts, ...) are refused,
 naming the module, before any weight moves.
