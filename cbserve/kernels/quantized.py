@@ -259,14 +259,8 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
             continue
         if module is head:
             head.quantize(blocks, fmt, batch_invariant)
-            replaced += 1
-            continue
-        if isinstance(module, torch.nn.Embedding):
-            new = QuantizedEmbedding(blocks, fmt, module.embedding_dim, dtype, module.padding_idx)
         else:
-            new = QuantizedLinear(blocks, fmt, module.in_features, module.bias, batch_invariant)
-        parent_name, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+            _replace(model, module_name, module, blocks, fmt, dtype, batch_invariant)
         replaced += 1
     if shard is None:  # a shard runs transformers' forward (all-reduce hooks), which calls each projection
         fuse_projections(model)
@@ -274,6 +268,17 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, batch_inva
         logger.info("quantization 'auto': %d layers kept dense: %s", len(kept), ", ".join(kept))
     logger.info("quantization 'auto': %d layers run on %s's own blocks", replaced, Path(gguf_path).name)
     return replaced
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module, blocks: torch.Tensor, fmt: str,
+             dtype: torch.dtype, batch_invariant: bool) -> None:
+    """Put the quantized counterpart of `module` (a Linear or an Embedding) in its place."""
+    if isinstance(module, torch.nn.Embedding):
+        new = QuantizedEmbedding(blocks, fmt, module.embedding_dim, dtype, module.padding_idx)
+    else:
+        new = QuantizedLinear(blocks, fmt, module.in_features, module.bias, batch_invariant)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def quantize_model(model: torch.nn.Module, quantization: str, batch_invariant: bool | None,
