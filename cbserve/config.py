@@ -35,11 +35,16 @@ class SpeculativeConfig(BaseModel):
     method: Literal["ngram", "draft_model"] = Field(
         "ngram", description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the "
         "request's last n tokens (in its prompt or output); no extra model. draft_model: a smaller model of the same "
-        "tokenizer (`model`) proposes greedily"
+        "tokenizer (`model`) proposes (its greedy tokens, or draws from its distribution for a sampled request)"
     )
     model: str | None = Field(
         None, min_length=1, description="draft_model: the draft's folder or GGUF file (what cbserve.load_model reads), "
         "loaded in the target's dtype"
+    )
+    quantization: Literal["none", "auto", "int8"] = Field(
+        "none", description="draft_model: the draft's weights, as the engine's `quantization` (auto: a GGUF draft "
+        "file's own blocks; int8: Q8_0 blocks quantized at load; CPUs only): a quantized copy of the target is a "
+        "cheap draft that agrees with it on most tokens"
     )
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="most tokens proposed per request per step")
     num_speculative_tokens_schedule: Literal["constant", "heuristic"] = Field(
@@ -60,6 +65,9 @@ class SpeculativeConfig(BaseModel):
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative.model is needed by method 'draft_model' and only by it "
                              f"(method={self.method!r}, model={self.model!r})")
+        if self.quantization != "none" and self.method != "draft_model":
+            raise ValueError(f"speculative.quantization={self.quantization!r} quantizes a draft model: method "
+                             f"{self.method!r} has none")
         return self
 
     @model_validator(mode="after")

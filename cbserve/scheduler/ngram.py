@@ -20,10 +20,10 @@ class NgramProposer:
         self.num_tokens = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, request: Request, limit: int) -> list[int]:
-        """At most `min(limit, num_speculative_tokens)` tokens to follow the request's tokens; []
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """At most `min(limit, num_speculative_tokens)` tokens to follow each request's tokens; []
         when no n-gram of the configured sizes recurs."""
-        return self.lookup(request.tokens, limit)
+        return [self.lookup(r.tokens, limit) for r, limit in zip(requests, limits)]
 
     def distributions(self, request_id: str) -> None:
         """A lookup is deterministic: point masses."""

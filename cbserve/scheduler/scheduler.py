@@ -45,7 +45,9 @@ class Proposer(Protocol):
     """Speculative decoding's source of proposed tokens (`ngram.NgramProposer`,
     `workers/draft_model.DraftModelProposer`)."""
 
-    def propose(self, request: Request, limit: int) -> list[int]: ...
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """At most `limits[i]` tokens to follow each `requests[i]`'s tokens (all of a step's
+        speculating requests at once: a draft model runs them as one batch)."""
 
     def distributions(self, request_id: str) -> Any:
         """The distributions ([len(proposal), vocab] tensor) the last proposal for the request
@@ -189,12 +191,13 @@ class Scheduler:
         scheduled: set[int] = set()
         limits = self._step_limits(ranked)
         speculate = self.proposer is not None and (self.speculate_below is None or len(decodes) < self.speculate_below)
+        drafts = self._drafts(decodes[: self.max_requests]) if speculate else {}
         for request in order:
             if budget == 0 or len(batch) == self.max_requests:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            draft = self._draft(request) if speculate and request.num_pending == 1 else []
+            draft = drafts.get(id(request), []) if request.num_pending == 1 else []
             num = limits.room(request, min(request.num_pending + len(draft), budget))
             draft = draft[: max(0, num - request.num_pending)]
             if draft and not self.block_manager.allocate(request, request.num_computed + num):
@@ -217,13 +220,21 @@ class Scheduler:
         transfers, self._transfers = self._transfers, []
         return StepPlan(batch, transfers)
 
-    def _draft(self, request: Request) -> list[int]:
-        """The proposed next tokens of a decoding request: none past its max_new_tokens (the
-        token drawn after them is its own), none for one that may not speculate."""
-        if not request.may_speculate or request.num_inflight:
-            return []
-        lookahead = self._lookahead.get(request.request_id, self.max_lookahead)
-        return self.proposer.propose(request, min(lookahead, request.max_new_tokens - len(request.generated) - 1))
+    def _drafts(self, decodes: list[Request]) -> dict[int, list[int]]:
+        """The proposed next tokens of decoding requests (by id): none past a request's
+        max_new_tokens (the token drawn after them is its own), none for one that may not speculate."""
+        speculating, limits = [], []
+        for request in decodes:
+            if not request.may_speculate or request.num_inflight:
+                continue
+            lookahead = self._lookahead.get(request.request_id, self.max_lookahead)
+            limit = min(lookahead, request.max_new_tokens - len(request.generated) - 1)
+            if limit > 0:
+                speculating.append(request)
+                limits.append(limit)
+        if not speculating:
+            return {}
+        return {id(r): d for r, d in zip(speculating, self.proposer.propose(speculating, limits)) if d}
 
     def _allocate_or_preempt(self, request: Request, num: int, scheduled: set[int]) -> bool:
         target = request.num_computed + num

@@ -1,99 +1,113 @@
 """Draft-model proposals for speculative decoding: a smaller model of the same tokenizer
-continues each speculating request for a few tokens; the target verifies them in its own step
-(`workers/speculative.py`). A greedy request's proposals are the draft's argmax tokens; a sampled
-request's are drawn from the draft's distribution q under the request's temperature, top-k, top-p
-and min-p, and q goes to the verifier (`distributions`), whose rule accepts with min(1, p / q):
+continues every speculating request of a step for a few tokens; the target verifies them in its
+own step (`workers/speculative.py`). A greedy request's proposals are the draft's argmax tokens; a
+sampled request's are drawn from the draft's distribution q under the request's temperature, top-k,
+top-p and min-p, and q goes to the verifier (`distributions`), whose rule accepts with min(1, p / q):
 when the draft is close to the target most sampled proposals pass, where argmax proposals would
 pass only with the target's probability of each.
 
-The draft keeps a `transformers` KV cache per request, beside the engine's paged cache (small:
-a draft model's layers and few requests, speculation being off from `disable_by_batch_size`
-decoding requests up). Each proposal first brings that cache up to the request's verified tokens:
-entries of proposals the target accepted stay, the rest are cropped. Requests are proposed for
-one after another (a draft step is a few small matrix-vector products).
+The draft runs in an engine of its own (`build_engine`: the same paged attention, packed or
+quantized linears and lean forward as the target), on a small paged KV cache. Each request that
+speculates has a copy there (a `Request` of the draft engine) whose pages hold the K/V of the
+tokens the draft has seen. A round of proposals is k batched passes over all the step's
+speculating requests: the first feeds each request's tokens since its last round (the accepted
+proposals' K/V are kept, rejected ones are overwritten) and proposes one token, the next k - 1
+are one-row decode passes. When the draft's pages run out, the copies of requests that are not
+proposing this round give theirs back, least recently used first (they are recomputed if they
+speculate again); a request that still does not fit gets no proposal.
 """
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
-from cbserve.config import SpeculativeConfig
+from cbserve.config import ContinuousBatchingConfig, SpeculativeConfig
+from cbserve.kernels import quantized
+from cbserve.scheduler.draft_copies import DraftCopies
 from cbserve.scheduler.request import Request
+from cbserve.scheduler.scheduler import ScheduledRequest
+from cbserve.workers import model_sharing
+from cbserve.workers.engine import EngineCore
+from cbserve.workers.kv.cache import PagedKVCache
 from cbserve.workers.speculative import draw, target_distribution
+
+# The draft's KV cache takes at most this share of the target's cache bytes (and never holds
+# more tokens than the target's).
+DRAFT_CACHE_SHARE = 0.25
+
+
+@dataclass
+class _Round:
+    """One request's proposal in the making."""
+
+    request: Request
+    copy: Request  # the draft engine's
+    k: int  # tokens to propose
+    tokens: list[int] = field(default_factory=list)
+    q_rows: list[torch.Tensor] = field(default_factory=list)  # a sampled request's draft distributions
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, num_tokens: int) -> None:
-        self.model = model
+    def __init__(self, engine: EngineCore, num_tokens: int) -> None:
+        """`engine`: the draft model's own (`workers/factory.py` builds it with `load_draft` and
+        `draft_engine_config`), whose paged cache, block manager and runner this drives."""
+        self.engine = engine
         self.num_tokens = num_tokens
-        # transformers renamed the forward's past_key_values to cache (the old name deprecated).
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # request id -> (the draft's cache, the token ids whose K/V it holds)
-        self._caches: dict[str, tuple[DynamicCache, list[int]]] = {}
+        self.copies = DraftCopies(engine.block_manager)
         self._probs: dict[str, torch.Tensor] = {}  # a sampled request's last proposal's q rows
         self._seeded: dict[str, torch.Generator] = {}  # a seeded request's draws: reproducible
         self._generator = torch.Generator()
         self._generator.seed()
 
-    @classmethod
-    def load(cls, config: SpeculativeConfig, target: torch.nn.Module) -> DraftModelProposer:
-        """The draft `config.model`, in the target's dtype and device; refused (ValueError naming the
-        field) when its vocabulary is not the target's."""
-        from cbserve.models import load_model
-
-        param = next(target.parameters())
-        try:
-            model, _ = load_model(config.model, dtype=param.dtype)
-        except (OSError, ValueError):  # a folder with weights but no tokenizer (the draft needs none)
-            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=param.dtype, local_files_only=True)
-        vocab, draft_vocab = target.config.vocab_size, model.config.vocab_size
-        if vocab != draft_vocab:
-            raise ValueError(f"speculative.model {config.model!r} has a vocabulary of {draft_vocab} tokens, the target "
-                             f"{vocab}: a draft model must share the target's tokenizer")
-        return cls(model.to(param.device).eval(), config.num_speculative_tokens)
-
     @torch.inference_mode()
-    def propose(self, request: Request, limit: int) -> list[int]:
-        k = min(limit, self.num_tokens)
-        if k <= 0:
-            return []
-        tokens = request.tokens
-        cache, held = self._caches.get(request.request_id, (None, []))
-        if cache is None:
-            cache, common = DynamicCache(), 0
-        else:
-            common = _common_prefix(held, tokens, len(tokens) - 1)  # the last token is always fed
-            if common < len(held):
-                cache.crop(common - len(held))  # a negative count: that many entries dropped from the end
-        feed, proposal, rows = tokens[common:], [], []
-        device = next(self.model.parameters()).device
-        params = request.sampling
-        for _ in range(k):
-            logits = self.model(input_ids=torch.tensor([feed], device=device), **{self._cache_arg: cache},
-                                use_cache=True, logits_to_keep=1).logits[0, -1:]
-            if params.greedy:
-                proposal.append(int(logits.argmax()))
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """Up to `min(limit, num_speculative_tokens)` tokens to follow each request's tokens."""
+        ks = [min(limit, self.num_tokens) for limit in limits]
+        proposing = {r.request_id for r, k in zip(requests, ks) if k > 0}
+        rounds: dict[int, _Round] = {}  # by id of the draft's copy: requests with pages for this round
+        for request, k in zip(requests, ks):
+            if k > 0 and (copy := self.copies.sync(request, k, proposing)) is not None:
+                rounds[id(copy)] = _Round(request, copy, k)
+        active = list(rounds.values())
+        while active:  # one pass per proposed position, every request still proposing in it
+            batch = [ScheduledRequest(r.copy, len(r.copy.tokens) - r.copy.num_computed, True) for r in active]
+            for copy, row in zip(*self._forward(batch)):
+                r = rounds[id(copy)]
+                r.tokens.append(self._choose(r.request, row, r.q_rows))
+                self.copies.advance(copy, r.tokens[-1])
+            active = [r for r in active if len(r.tokens) < r.k]
+        for r in rounds.values():
+            if r.q_rows:
+                self._probs[r.request.request_id] = torch.stack(r.q_rows)
             else:
-                q = target_distribution(logits.cpu() if logits.dtype == torch.float64 else logits.float().cpu(),
-                                        params).softmax(dim=-1)[0]
-                proposal.append(draw(q, self._generator_of(request)))
-                rows.append(q)
-            feed = proposal[-1:]
-        self._caches[request.request_id] = (cache, tokens + proposal[:-1])  # the last proposal was not fed
-        if rows:
-            self._probs[request.request_id] = torch.stack(rows)
-        else:
-            self._probs.pop(request.request_id, None)
-        return proposal
+                self._probs.pop(r.request.request_id, None)
+        made = {id(r.request): r.tokens for r in rounds.values()}
+        return [made.get(id(request), []) for request in requests]
+
+    def _forward(self, batch: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor]:
+        """One pass of the draft engine; its sampled copies in the order of the logits rows."""
+        runner = self.engine.runner
+        kwargs, sampled = runner.prepare(batch)
+        with model_sharing.engine_forward():
+            logits = runner.run(kwargs)
+        return [s.request for s in sampled], logits
+
+    def _choose(self, request: Request, row: torch.Tensor, q_rows: list[torch.Tensor]) -> int:
+        params = request.sampling
+        if params.greedy:
+            return int(row.argmax())
+        q = target_distribution(row[None], params).softmax(dim=-1)[0]
+        q_rows.append(q)
+        return draw(q, self._generator_of(request))
 
     def distributions(self, request_id: str) -> torch.Tensor | None:
         return self._probs.get(request_id)
 
     def forget(self, request_id: str) -> None:
-        self._caches.pop(request_id, None)
+        self.copies.forget(request_id)
         self._probs.pop(request_id, None)
         self._seeded.pop(request_id, None)
 
@@ -108,9 +122,44 @@ class DraftModelProposer:
         return self._seeded[request.request_id]
 
 
-def _common_prefix(a: list[int], b: list[int], most: int) -> int:
-    n = min(len(a), len(b), most)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def load_draft(spec: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Module:
+    """The draft `spec.model`, in the target's dtype and device; refused (ValueError naming the
+    field) when its vocabulary is not the target's."""
+    from cbserve.models import load_model
+
+    param = next(target.parameters())
+    try:
+        model, _ = load_model(spec.model, dtype=param.dtype)
+    except (OSError, ValueError):  # a folder with weights but no tokenizer (the draft needs none)
+        model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=param.dtype, local_files_only=True)
+    vocab, draft_vocab = target.config.vocab_size, model.config.vocab_size
+    if vocab != draft_vocab:
+        raise ValueError(f"speculative.model {spec.model!r} has a vocabulary of {draft_vocab} tokens, the target "
+                         f"{vocab}: a draft model must share the target's tokenizer")
+    if spec.quantization != "none" and param.device.type != "cpu":
+        raise ValueError(f"speculative.quantization={spec.quantization!r} runs on CPUs only (the quantized kernels "
+                         "are C++ for x86-64)")
+    if spec.quantization == "auto" and getattr(model, quantized.GGUF_SOURCE, None) is None:
+        raise ValueError(f"speculative.quantization='auto' needs a GGUF draft (speculative.model {spec.model!r} is "
+                         "not a GGUF file): use 'int8', or point speculative.model at a .gguf file")
+    return model.to(param.device).eval()
+
+
+def draft_engine_config(config: ContinuousBatchingConfig, draft: torch.nn.Module,
+                        cache: PagedKVCache) -> ContinuousBatchingConfig:
+    """The draft engine's config: the target's pages, attention and weight packing, the draft's
+    `speculative.quantization`; a cache of at most DRAFT_CACHE_SHARE of the target's bytes and
+    the target's tokens; no prefix caching (a copy's pages are its own), no CUDA graphs, one rank."""
+    from cbserve.workers.model_shape import ModelShape
+
+    shape = ModelShape.from_model(draft)
+    param = next(draft.parameters())
+    per_block = PagedKVCache.bytes_per_block(shape.num_layers, cache.page_size, shape.num_kv_heads,
+                                             shape.head_dim, param.dtype)
+    num_blocks = max(1, min(cache.num_blocks, int(cache.nbytes * DRAFT_CACHE_SHARE // per_block)))
+    return ContinuousBatchingConfig(
+        page_size=cache.page_size, num_blocks=num_blocks, allow_block_sharing=False,
+        attention_backend=config.attention_backend, prepack_weights=config.prepack_weights,
+        use_cuda_graph=False, use_async_batching=False, batch_invariant=config.batch_invariant,
+        auto_switch_to_flash=config.auto_switch_to_flash, quantization=config.speculative.quantization,
+    )

@@ -18,7 +18,7 @@ from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.host_pages import HostPages
 from cbserve.scheduler.ngram import NgramProposer
 from cbserve.scheduler.scheduler import Scheduler
-from cbserve.workers import compilation
+from cbserve.workers import compilation, draft_model
 from cbserve.workers.compilation import CompiledForward
 from cbserve.workers.cuda_graphs import build_step_graphs
 from cbserve.workers.engine import EngineCore, EngineParts
@@ -84,7 +84,8 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
                           config.resolved_safety_margin, host_pages, config.parent_share, sizes.release_window,
                           parent_step_tokens=config.resolved_parent_step_tokens(device.type),
                           held_step_tokens=config.held_step_tokens,
-                          max_loras=config.max_loras if config.enable_lora else None, **speculation(config, model))
+                          max_loras=config.max_loras if config.enable_lora else None,
+                          **speculation(config, model, cache))
     if node_pool is not None:  # computed prompt pages, for the node's other engines
         scheduler.on_computed = node_pool.after_step
     attention_backend = attention_backends.select(config.attention_backend, device, config.page_size,
@@ -115,15 +116,18 @@ def greedy_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_kernels.layer_ops_isa() != "generic" and not cpu_kernels.unavailable_reason()
 
 
-def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module) -> dict:
-    """The scheduler's speculative decoding arguments: its proposer and when to use it."""
+def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module, cache: PagedKVCache) -> dict:
+    """The scheduler's speculative decoding arguments: its proposer (a draft model's cache sized
+    from the target's `cache`) and when to use it."""
     spec = config.speculative
     if spec is None:
         return {}
     if spec.method == "draft_model":
-        from cbserve.workers.draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer.load(spec, model)
+        draft = draft_model.load_draft(spec, model)
+        engine = build_engine(draft, GenerationConfig(), draft_model.draft_engine_config(config, draft, cache))
+        logger.info("draft model %s: %d KV pages (%.1f MiB)", spec.model, engine.cache.num_blocks,
+                    engine.cache.nbytes / 2**20)
+        proposer = draft_model.DraftModelProposer(engine, spec.num_speculative_tokens)
     else:
         proposer = NgramProposer(spec)
     return {"proposer": proposer, "speculate_below": spec.disable_by_batch_size,

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 import cbserve
 from cbserve.config import SpeculativeConfig
 from cbserve.errors import InvalidRequestError
+from cbserve.kernels.quantized import QUANTIZED_AS
 from cbserve.scheduler.ngram import NgramProposer
 from cbserve.scheduler.request import SamplingParams
 from cbserve.workers import speculative
@@ -270,9 +271,9 @@ class _RecordingProposer:
     def __init__(self) -> None:
         self.limits: list[int] = []
 
-    def propose(self, request, limit: int) -> list[int]:
-        self.limits.append(limit)
-        return [request.tokens[-1]] * limit
+    def propose(self, requests, limits: list[int]) -> list[list[int]]:
+        self.limits.extend(limits)
+        return [[r.tokens[-1]] * limit for r, limit in zip(requests, limits)]
 
     def distributions(self, request_id: str) -> None:
         return None  # point masses
@@ -420,7 +421,8 @@ def test_draft_model_speculation_equals_generate(tmp_path, noise: float) -> None
         assert s.num_accepted_tokens == s.num_draft_tokens
     else:
         assert s.num_accepted_tokens < s.num_draft_tokens
-    assert not s.proposer._caches  # every finished request's draft cache dropped
+    assert not len(s.proposer.copies)  # every finished request's draft copy dropped
+    assert s.proposer.engine.block_manager.num_free == s.proposer.engine.cache.num_blocks  # and its pages
 
 
 def test_sampled_draft_model_proposals_follow_the_draft_distribution(tmp_path) -> None:
@@ -441,6 +443,116 @@ def test_sampled_draft_model_proposals_follow_the_draft_distribution(tmp_path) -
     assert not s.proposer._probs and not s.proposer._seeded  # dropped with each finished request
 
 
+def _draft_greedy(folder: str, tokens: list[int], k: int) -> list[int]:
+    """The draft model's own greedy continuation of `tokens` (transformers, whole context each token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _DRAFTS.get(folder) or _DRAFTS.setdefault(
+        folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval())
+    out = list(tokens)
+    with torch.no_grad():
+        for _ in range(k):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(tokens):]
+
+
+_DRAFTS: dict = {}
+
+
+def _draft_proposer(tmp_path, num_blocks: int = 200):
+    folder = _draft_folder(tmp_path, 0.05)
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=num_blocks, speculative={
+        "method": "draft_model", "model": folder, "num_speculative_tokens": 3})
+    engine = build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4), cfg)
+    return engine, engine.scheduler.proposer, folder
+
+
+def _count_passes(proposer) -> list[int]:
+    """Counts the draft engine's forward passes, and each one's rows, into the returned list."""
+    rows, run = [], proposer.engine.runner.run
+
+    def counting(kwargs):
+        rows.append(kwargs["input_ids"].shape[1])
+        return run(kwargs)
+
+    proposer.engine.runner.run = counting
+    return rows
+
+
+def test_draft_proposals_are_the_draft_models_greedy_continuation(tmp_path) -> None:
+    """Three requests at once, over rounds where the target accepted some, all or none of the
+    proposals: each proposal is the draft model's own greedy continuation of the request's tokens
+    (its paged copy kept the accepted proposals' K/V and overwrote the rejected ones'), and a round
+    is one batched pass per proposed position."""
+    from cbserve.scheduler.request import Request
+
+    engine, proposer, folder = _draft_proposer(tmp_path)
+    try:
+        requests = [Request(f"r{i}", p, 16, frozenset()) for i, p in enumerate(random_prompts([5, 17, 40], seed=3))]
+        passes = _count_passes(proposer)
+        proposals = proposer.propose(requests, [3, 3, 3])
+        assert proposals == [_draft_greedy(folder, r.tokens, 3) for r in requests]
+        assert passes == [5 + 17 + 40, 3, 3]  # prompts, then a row per request per position
+        requests[0].tokens += proposals[0][:1] + [7]  # one accepted, then the target's own token
+        requests[1].tokens += proposals[1] + [11]  # all accepted
+        requests[2].tokens += [(proposals[2][0] + 1) % 300]  # none accepted
+        passes.clear()
+        proposals = proposer.propose(requests, [2, 0, 3])
+        assert proposals[1] == []
+        assert proposals[0] == _draft_greedy(folder, requests[0].tokens, 2)
+        assert proposals[2] == _draft_greedy(folder, requests[2].tokens, 3)
+        assert passes == [1 + 1, 2, 1]  # the target's own token of each (the accepted one's K/V kept), then
+        # the two still proposing
+        # Three steps without speculation (a large batch): the copy's proposals are cut where the
+        # target's tokens part from them, not only at the last token.
+        requests[0].tokens += [(proposals[0][0] + 1) % 300, 5, 9]
+        assert proposer.propose(requests[:1], [3]) == [_draft_greedy(folder, requests[0].tokens, 3)]
+        for r in requests:
+            proposer.forget(r.request_id)
+        assert proposer.engine.block_manager.num_free == proposer.engine.cache.num_blocks
+    finally:
+        engine.release_model()
+
+
+def test_draft_cache_full_evicts_idle_copies(tmp_path, monkeypatch) -> None:
+    """A draft cache of 4 pages (16 tokens each): a request whose copy does not fit beside those
+    proposing in the round gets no proposal; alone it evicts the idle copies, which start over
+    when they propose again. Every proposal is still the draft's greedy continuation."""
+    from cbserve.scheduler.request import Request
+    from cbserve.workers import draft_model
+
+    monkeypatch.setattr(draft_model, "DRAFT_CACHE_SHARE", 4 / 200)  # a draft as large as the target: 4 pages
+    engine, proposer, folder = _draft_proposer(tmp_path)
+    try:
+        assert proposer.engine.cache.num_blocks == 4
+        requests = [Request(f"r{i}", p, 16, frozenset()) for i, p in enumerate(random_prompts([5, 17, 40], seed=3))]
+        proposals = proposer.propose(requests, [3, 3, 3])
+        assert proposals[:2] == [_draft_greedy(folder, r.tokens, 3) for r in requests[:2]]
+        assert proposals[2] == []  # 40 + 2 tokens need 3 pages, the others hold 3 of 4
+        assert proposer.propose(requests[2:], [3]) == [_draft_greedy(folder, requests[2].tokens, 3)]
+        assert not proposer.copies.get("r0").block_ids and not proposer.copies.get("r1").block_ids  # evicted
+        assert proposer.propose(requests[:1], [3]) == [_draft_greedy(folder, requests[0].tokens, 3)]
+        for r in requests:
+            proposer.forget(r.request_id)
+    finally:
+        engine.release_model()
+
+
+def test_quantized_draft_model_speculation_equals_generate(tmp_path) -> None:
+    """speculative.quantization='int8': the target's own weights as Q8_0 blocks are the draft, which
+    agrees with the target on most tokens; the output is the target's."""
+    prompts = random_prompts([5, 17, 40], seed=3)
+    cfg = cbserve.ContinuousBatchingConfig(
+        page_size=16, num_blocks=200, return_logprobs=True,
+        speculative={"method": "draft_model", "model": _draft_folder(tmp_path, 0.0), "quantization": "int8",
+                     "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    requests, engine = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW)
+    _assert_equal(requests, _reference("llama", prompts))
+    s = engine.scheduler
+    assert getattr(s.proposer.engine.model, QUANTIZED_AS) == "int8"
+    assert s.num_accepted_tokens >= 0.8 * s.num_draft_tokens > 0
+
+
 def test_draft_model_refusals(tmp_path) -> None:
     with pytest.raises(ValueError, match="speculative.model"):
         SpeculativeConfig(method="draft_model")
@@ -449,6 +561,12 @@ def test_draft_model_refusals(tmp_path) -> None:
     cfg = cbserve.ContinuousBatchingConfig(speculative={"method": "draft_model",
                                                         "model": _draft_folder(tmp_path, 0.0, vocab=300)})
     with pytest.raises(ValueError, match="vocabulary"):
+        build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4), cfg)
+    with pytest.raises(ValueError, match="speculative.quantization"):
+        SpeculativeConfig(quantization="int8")  # n-gram proposals have no model to quantize
+    cfg = cbserve.ContinuousBatchingConfig(speculative={"method": "draft_model", "quantization": "auto",
+                                                        "model": _draft_folder(tmp_path, 0.0)})
+    with pytest.raises(ValueError, match="speculative.quantization='auto' needs a GGUF draft"):
         build_engine(model_for("llama"), GenerationConfig(max_new_tokens=4), cfg)
 
 

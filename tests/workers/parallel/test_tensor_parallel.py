@@ -149,14 +149,19 @@ def test_embeddings_under_tp2_equal_tp1_beside_generating_requests() -> None:
         assert request.logprobs == pytest.approx(logprobs, abs=1e-9)
 
 
-def test_speculative_decoding_under_tp2_equals_tp1() -> None:
-    """Proposal rows reach the other rank like any other rows: tp_size=2 with n-gram speculation
-    gives tp_size=1's tokens without it, with proposals accepted."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_under_tp2_equals_tp1(method: str, tmp_path) -> None:
+    """Proposal rows reach the other rank like any other rows: tp_size=2 with n-gram or draft-model
+    speculation (the draft, the target's whole weights, runs on rank 0) gives tp_size=1's tokens
+    without it, with proposals accepted."""
     prompts = []
     for seed in (4, 7):  # prompts whose greedy outputs repeat n-grams (tests/workers/test_speculative.py)
         seg = random_prompts([12], seed=seed)[0]
         prompts.append(seg + seg[:6] + seg)
-    spec = {"num_speculative_tokens": 4, "disable_by_batch_size": None}
+    spec = {"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    if method == "draft_model":
+        model_for("llama").save_pretrained(tmp_path / "draft")
+        spec["model"] = str(tmp_path / "draft")
     manager = cbserve.init_continuous_batching(model_for("llama"), greedy(32), engine_config(tp_size=2,
                                                                                             speculative=spec))
     manager.start()

@@ -1,0 +1,60 @@
+"""A draft model's copies of the requests it proposes for (speculative decoding,
+`workers/draft_model.py`): the draft engine's own `Request`s, whose pages in the draft's KV cache
+hold the K/V of the tokens the draft has seen, kept in step with the target's requests.
+
+Before a round of proposals a copy takes its request's tokens: the K/V of the longest common
+prefix stay (the accepted proposals'), the rest is recomputed over what was there (rejected
+proposals', and the last token, which is always fed for its logits). When the draft's pages run
+out, the copies of requests that are not proposing this round give theirs back, least recently
+used first (recomputed if they speculate again).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from cbserve.scheduler.block_manager import BlockManager
+from cbserve.scheduler.request import Request
+
+
+class DraftCopies:
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager  # the draft engine's
+        # request id -> its copy, least recently proposed for first
+        self._copies: OrderedDict[str, Request] = OrderedDict()
+
+    def get(self, request_id: str) -> Request | None:
+        return self._copies.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def sync(self, request: Request, k: int, proposing: set[str]) -> Request | None:
+        """The request's copy, brought up to its tokens, with pages for k proposals (the last is
+        not fed); None when the pages are not there even without the idle copies' pages."""
+        copy = self._copies.pop(request.request_id, None)
+        tokens = request.tokens
+        if copy is None:
+            copy = Request(request.request_id, [], 0, frozenset())
+        common = min(copy.num_computed, len(tokens) - 1)
+        while common > 0 and copy.tokens[common - 1] != tokens[common - 1]:  # where proposals were cut
+            common -= 1
+        copy.num_computed, copy.tokens = common, list(tokens)
+        self._copies[request.request_id] = copy  # most recently used last
+        while not self.block_manager.allocate(copy, len(tokens) + k - 1):
+            idle = next((c for rid, c in self._copies.items() if rid not in proposing and c.block_ids), None)
+            if idle is None:
+                return None
+            self.block_manager.free(idle)
+        return copy
+
+    @staticmethod
+    def advance(copy: Request, token: int) -> None:
+        """A pass computed the copy's pending tokens and proposed `token` (fed by the next pass)."""
+        copy.num_computed = len(copy.tokens)
+        copy.tokens.append(token)
+
+    def forget(self, request_id: str) -> None:
+        copy = self._copies.pop(request_id, None)
+        if copy is not None:
+            self.block_manager.free(copy)
