@@ -62,7 +62,7 @@ DEFAULT_LLAMA_SERVER = ROOT / ".venv-llamacpp" / "bin" / "llama-server"  # built
 RESULTS = ROOT / "bench" / "results"
 PEER = "vllm"
 OFFLINE_ENGINES = ("cbserve", "vllm", "cbserve_sized", "cbserve_gguf", "cbserve_int8", "llamacpp", "cbserve_ngram",
-                   "vllm_ngram")
+                   "vllm_ngram", "cbserve_draft")
 # Speculative decoding, n-gram prompt lookup, the same settings on both (vLLM's field names).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 VLLM_ENGINES = (PEER, "vllm_ngram")  # run in vLLM's venv
@@ -151,6 +151,7 @@ def worker_main(job_path: Path, out_path: Path) -> int:
     run = {"cbserve": offline_cbserve, "vllm": offline_vllm, "cbserve_sized": offline_cbserve_sized,
            "cbserve_gguf": offline_cbserve, "cbserve_int8": offline_cbserve, "llamacpp": offline_llamacpp,
            "cbserve_ngram": offline_cbserve,
+           "cbserve_draft": offline_cbserve,
            "vllm_ngram": offline_vllm}[job["engine"]]
     out_path.write_text(json.dumps(run(job)))
     return 0
@@ -210,7 +211,8 @@ def _load_cbserve(job: dict[str, Any]) -> tuple[Any, int | None]:
 def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     """The manager as a user builds it: default ContinuousBatchingConfig, no workload hints
     (`cbserve_gguf`: quantization='auto', the GGUF file's own blocks; `cbserve_int8`:
-    quantization='int8'; `cbserve_ngram`: speculative decoding, NGRAM)."""
+    quantization='int8'; `cbserve_ngram`: speculative decoding, NGRAM; `cbserve_draft`: a draft model,
+    the model's own GGUF file on its quantized blocks, `draft_spec`)."""
     from throughput import greedy_config
 
     import cbserve
@@ -220,7 +222,7 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
     longest = max(n for work in job["workloads"] for n in work["lengths"])
     config = cbserve.ContinuousBatchingConfig(
         quantization={"cbserve_gguf": "auto", "cbserve_int8": "int8"}.get(job["engine"], "none"),
-        speculative=NGRAM if job["engine"] == "cbserve_ngram" else None)
+        speculative={"cbserve_ngram": NGRAM, "cbserve_draft": draft_spec(job)}.get(job["engine"]))
     manager = cbserve.init_continuous_batching(model, greedy_config(longest, pad), config)
     manager.start()
     ready = time.perf_counter() - start
@@ -229,6 +231,9 @@ def offline_cbserve(job: dict[str, Any]) -> dict[str, Any]:
         stats = manager.stats()
         result["note"] = (f"manager, default config: {stats.get('total_pages')} KV pages of "
                           f"{manager.config.page_size} tokens, max_batch_tokens {manager.engine.max_batch_tokens}")
+        if config.speculative is not None:
+            proposed, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+            result["note"] += f"; {accepted} of {proposed} proposed tokens accepted ({accepted / max(proposed, 1):.1%})"
         return result
     finally:
         manager.stop(block=True, timeout=60)
@@ -259,6 +264,12 @@ def offline_llamacpp(job: dict[str, Any]) -> dict[str, Any]:
 
     return timed_workloads(job, generate, ready, f"llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
                            "one request at a time")
+
+
+def draft_spec(job: dict[str, Any]) -> dict[str, Any]:
+    """`cbserve_draft`'s speculative config: the model's GGUF file on its own quantized blocks as the
+    draft of the dense (dequantized) model: as cheap per pass as `cbserve_gguf`, and nearly always right."""
+    return {"method": "draft_model", "model": job["gguf"], "quantization": "auto", "num_speculative_tokens": 4}
 
 
 def manager_generate(manager: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
@@ -509,7 +520,8 @@ def offline_summary(results: list[dict[str, Any]], agree_first: int) -> list[dic
         tokens = row.pop("tokens")
         pair = tokens.get("cbserve"), tokens.get(PEER)
         # Speculation must not change greedy tokens: cbserve_ngram against cbserve, vLLM's against vLLM.
-        spec_same = {e: tokens[e] == tokens[base] for e, base in (("cbserve_ngram", "cbserve"), ("vllm_ngram", PEER))
+        spec_same = {e: tokens[e] == tokens[base] for e, base in (("cbserve_ngram", "cbserve"), ("cbserve_draft", "cbserve"),
+                                                          ("vllm_ngram", PEER))
                      if tokens.get(e) and tokens.get(base)}
         agree = common.agreement(*pair, agree_first) if pair[0] and pair[1] else None
         ratios = {e: common.ratio(medians[e], medians.get(PEER)) for e in medians if e != PEER}

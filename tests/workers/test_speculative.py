@@ -538,6 +538,24 @@ def test_draft_cache_full_evicts_idle_copies(tmp_path, monkeypatch) -> None:
         engine.release_model()
 
 
+def test_draft_skips_a_long_catch_up_for_few_tokens_left(tmp_path) -> None:
+    """A 40-token prompt the draft has not seen: no proposal with 9 tokens left to generate (a
+    40-token prefill for them: more than MAX_LAG_PER_TOKEN_LEFT per token), a proposal with 10."""
+    from cbserve.scheduler.draft_copies import MAX_LAG_PER_TOKEN_LEFT
+    from cbserve.scheduler.request import Request
+
+    assert MAX_LAG_PER_TOKEN_LEFT == 4
+    engine, proposer, folder = _draft_proposer(tmp_path)
+    try:
+        prompt = random_prompts([40], seed=3)[0]
+        short, longer = Request("short", prompt, 9, frozenset()), Request("longer", prompt, 10, frozenset())
+        assert proposer.propose([short, longer], [3, 3]) == [[], _draft_greedy(folder, prompt, 3)]
+        for r in (short, longer):
+            proposer.forget(r.request_id)
+    finally:
+        engine.release_model()
+
+
 def test_quantized_draft_model_speculation_equals_generate(tmp_path) -> None:
     """speculative.quantization='int8': the target's own weights as Q8_0 blocks are the draft, which
     agrees with the target on most tokens; the output is the target's."""
