@@ -160,11 +160,11 @@ class Request:
 
     @property
     def may_speculate(self) -> bool:
-        """Its next tokens may be proposed and verified in one pass: nothing makes a token's
-        distribution depend on the proposals before it (logits processors, a grammar), no
-        prompt logprobs are owed and no prompt is pooled (an embedding request never decodes)."""
-        return (self.speculative and self.grammar is None and not self.sampling.processes_logits
-                and not self.computes_whole_prompt)
+        """Its next tokens may be proposed and verified in one pass: no prompt logprobs are owed
+        and no prompt is pooled (an embedding request never decodes). Its logits processors and
+        grammar process each proposal's row as if the proposals before it were generated
+        (`LogitsProcessing.process_proposal_rows`)."""
+        return self.speculative and not self.computes_whole_prompt
 
     @property
     def computes_whole_prompt(self) -> bool:
@@ -206,7 +206,9 @@ class Request:
             return FinishReason.EOS
         if last is not None and last in self.sampling.stop_token_ids:
             return FinishReason.STOP
-        if self.grammar_done:  # its grammar took its stop token
+        # Its grammar took its stop token: the last one (a speculative run's grammar has taken all
+        # of the run's tokens before they are appended one by one).
+        if self.grammar_done and last in self.grammar.stop_token_ids:
             return FinishReason.STOP
         if len(self.generated) >= self.max_new_tokens:
             return FinishReason.LENGTH

@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
 
 from cbserve.errors import RequestFault
 from cbserve.scheduler.request import Request, SamplingParams
-from cbserve.workers.structured import GrammarState, apply_masks
+from cbserve.workers.structured import GrammarState, apply_masks, mask_proposal_rows
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,31 @@ class _RowState:
     before: list[LogitsProcessor] = field(default_factory=list)  # transformers' ones ahead of the penalty
     after: list[LogitsProcessor] = field(default_factory=list)  # and behind it
     grammar: GrammarState | None = None  # structured outputs
+
+
+    def extended(self, tokens: list[int]) -> _RowState:
+        """The penalties' state once `tokens` are generated too (no grammar: masks are apart)."""
+        seen = None if self.seen is None else self.seen | set(tokens)
+        counts = None
+        if self.counts is not None:
+            counts = dict(self.counts)
+            for token in tokens:
+                counts[token] = counts.get(token, 0) + 1
+        return _RowState(seen, counts, self.before, self.after)
+
+
+@dataclass
+class _ProposalView:
+    """What the processors read of a request, as it would be once `draft` tokens are generated."""
+
+    tokens: list[int]
+    generated: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def after(cls, request: Request, draft: list[int]) -> _ProposalView:
+        return cls(request.tokens + draft, request.generated + draft, request.sampling, request.eos_token_ids)
 
 
 def _history_processors(params: SamplingParams, eos: frozenset[int]) -> tuple[list, list]:
@@ -117,6 +142,12 @@ class LogitsProcessing:
             state.grammar.accept(token)
             request.grammar_done = state.grammar.matcher.is_terminated()
 
+    def mask_proposal_rows(self, rows: torch.Tensor, request: Request, draft: list[int]) -> torch.Tensor:
+        """A speculating request's rows masked by its grammar (`structured.mask_proposal_rows`)."""
+        masked = rows.clone()
+        mask_proposal_rows(masked, self._state(request, rows.device).grammar.matcher, draft)
+        return masked
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, dict[int, RequestFault]]:
         """Processed logits [rows, vocab] (a new tensor when any row is processed), and the rows
         that cannot go on: their processing raised, or it left no token to draw. Those faults are
@@ -151,15 +182,34 @@ class LogitsProcessing:
     def _process(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         logits = logits.clone()
         states = {i: self._state(requests[i], logits.device) for i in rows}
+        self._processors(logits, requests, states)
+        grammars = {i: state.grammar for i, state in states.items() if state.grammar is not None}
+        if grammars:  # last: the drawn token's distribution is over the tokens the grammar allows
+            apply_masks(logits, grammars)
+        return logits
+
+    def _processors(self, logits: torch.Tensor, requests: list, states: dict[int, _RowState]) -> None:
+        """Every processor but the grammar, in place, on rows `states` (row -> its state)."""
+        rows = list(states)
         self._history(logits, requests, [(i, states[i].before) for i in rows])
         self._repetition(logits, requests, states)
         self._history(logits, requests, [(i, states[i].after) for i in rows])
         self._barred(logits, requests, rows)
         self._penalties_and_bias(logits, requests, states)
-        grammars = {i: state.grammar for i, state in states.items() if state.grammar is not None}
-        if grammars:  # last: the drawn token's distribution is over the tokens the grammar allows
-            apply_masks(logits, grammars)
-        return logits
+
+    def process_proposal_rows(self, rows: torch.Tensor, request: Request, draft: list[int]) -> torch.Tensor:
+        """A speculating request's rows (its last token's, then each proposal's), each processed as
+        if the request had generated the proposals before the row: its penalties count them, its
+        history processors read them, min_new_tokens counts them; then its grammar's masks
+        (`structured.mask_proposal_rows`)."""
+        state = self._state(request, rows.device)
+        processed = rows.clone()
+        if request.sampling.processes_logits:
+            views = [_ProposalView.after(request, draft[:i]) for i in range(len(rows))]
+            self._processors(processed, views, {i: state.extended(draft[:i]) for i in range(len(rows))})
+        if state.grammar is not None:
+            mask_proposal_rows(processed, state.grammar.matcher, draft)
+        return processed
 
     @staticmethod
     def _history(logits: torch.Tensor, requests: list[Request], work: list[tuple[int, list]]) -> None:

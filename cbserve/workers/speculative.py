@@ -15,11 +15,17 @@ the target's.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from cbserve.errors import RequestFault
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import StepResult
+from cbserve.workers.logits_processors import no_token_left
 from cbserve.workers.sampler import Sampler, min_p_filter, process_logits, top_pairs
+
+logger = logging.getLogger(__name__)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -85,13 +91,20 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Re
         for j, request in enumerate(drawn.requests):
             by_request[id(request)] = ([drawn.tokens[j]], [drawn.logprobs[j]] if drawn.logprobs else [None],
                                        [drawn.top_logprobs[j]] if drawn.top_logprobs else [None])
+    faults = drawn.faults if drawn is not None else []
     for i, draft in enumerate(drafts):
         if draft:
             request = requests[i]
             rows = logits[first[i] : first[i + 1]]
             q = draft_probs[i] if draft_probs else None
+            if request.grammar is not None or request.sampling.processes_logits:
+                try:
+                    rows, draft = _processed(sampler, rows, request, draft)
+                except Exception as exc:  # noqa: BLE001 (the request's own processing: it alone fails)
+                    faults.append((request, processing_fault(request, exc)))
+                    continue
             by_request[id(request)] = _verified(rows, draft, request, sampler.generator_of(request), want_logprobs, q)
-    result = StepResult([], [], [], [], drawn.faults if drawn is not None else [])
+    result = StepResult([], [], [], [], faults)
     for request in requests:
         tokens, logprobs, tops = by_request.get(id(request), ((), (), ()))  # none: faulted, nothing drawn
         for token, logprob, top in zip(tokens, logprobs, tops):
@@ -100,6 +113,31 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Re
             result.top_logprobs.append(top)
             result.requests.append(request)
     return result
+
+
+def _processed(sampler: Sampler, rows: torch.Tensor, request: Request,
+               draft: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A speculating request's rows through its logits processors and grammar
+    (`LogitsProcessing.process_proposal_rows`), and its draft cut before the first row that leaves
+    no token (its constraints end there: the row before it is drawn from instead)."""
+    processed = sampler.processing.process_proposal_rows(rows, request, draft)
+    blocked = torch.isneginf(processed.amax(dim=-1)).tolist()
+    if blocked[0]:
+        raise no_token_left(request)
+    if True in blocked:
+        cut = blocked.index(True)
+        return processed[:cut], draft[: cut - 1]
+    return processed, draft
+
+
+def processing_fault(request: Request, exc: Exception) -> RequestFault:
+    if isinstance(exc, RequestFault):
+        return exc
+    logger.exception("request %s: its logits processing for its proposals raised", request.request_id)
+    fault = RequestFault("grammar" if request.grammar is not None else "logits_processors",
+                         f"the request's logits processing failed ({type(exc).__name__})")
+    fault.__cause__ = exc
+    return fault
 
 
 def _verified(rows: torch.Tensor, draft: list[int], request: Request, generator: torch.Generator,

@@ -319,3 +319,27 @@ def apply_masks(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:
     for row in rows:
         states[row].allowed(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+
+def mask_proposal_rows(rows: torch.Tensor, matcher: Any, draft: list[int]) -> None:
+    """A speculating request's rows (its last token's, then each proposal's), masked in place, each
+    by the grammar as it stands after the proposals before the row: the matcher takes the proposals
+    while it allows them, each row's mask filled on the way, and is rolled back to where it began.
+    Rows after a proposal the grammar refuses stay as they are: that proposal's own row excludes
+    it, so verification stops there; so do rows after an allowed stop token (the request ends)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), rows.shape[-1])
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    taken = 0  # proposals the matcher took; rows 0..taken are masked
+    while taken < len(draft) and not matcher.is_terminated() and matcher.accept_token(draft[taken]):
+        taken += 1
+        if matcher.is_terminated():  # a stop token: no row after it is used
+            taken -= 1
+            matcher.rollback(1)
+            break
+        matcher.fill_next_token_bitmask(bitmask, taken)
+    if taken:
+        matcher.rollback(taken)
+    xgr.apply_token_bitmask_inplace(rows, bitmask, vocab_size=rows.shape[-1], indices=list(range(taken + 1)))

@@ -326,12 +326,61 @@ def _generated_before_each(accepted: list[int]) -> list[int]:
     return out
 
 
+class _OracleProposer:
+    """Proposes what the run without speculation drew next, but for one token in three (by
+    position), replaced by the token after it in the vocabulary (rejected unless equal)."""
+
+    def __init__(self, reference: dict[str, list[int]], vocab: int) -> None:
+        self.reference, self.vocab = reference, vocab
+
+    def propose(self, requests, limits):
+        out = []
+        for r, limit in zip(requests, limits):
+            g = len(r.generated)
+            ahead = self.reference[r.request_id][g : g + limit]
+            out.append([(t + 1) % self.vocab if (g + i) % 3 == 2 else t for i, t in enumerate(ahead)])
+        return out
+
+    def distributions(self, request_id):
+        return None
+
+    def forget(self, request_id):
+        pass
+
+
+PROCESSED = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.8, frequency_penalty=0.6),
+             SamplingParams(no_repeat_ngram_size=2), SamplingParams(min_new_tokens=20, logit_bias=((5, 2.0),)),
+             SamplingParams(bad_words_ids=((7,), (9, 4)), sequence_bias=(((3,), -1.5),))]
+
+
+def test_logits_processors_apply_per_proposed_row() -> None:
+    """Requests with penalties, history processors, min_new_tokens (EOS barred) and bias speculate:
+    each proposal's row is processed as if the proposals before it were generated, so tokens and
+    logprobs are those of the run without speculation, with proposals accepted and rejected."""
+    prompts = _repetitive_prompts()[: len(PROCESSED)]
+    per_request = [{"sampling": p} for p in PROCESSED]
+    cfg = cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, return_logprobs=True)
+    plain, _ = run_engine(model_for("qwen2"), prompts, cfg, max_new=MAX_NEW, eos_token_id=2, per_request=per_request)
+    oracle = _OracleProposer({r.request_id: r.generated for r in plain}, model_for("qwen2").config.vocab_size)
+    speculating = cfg.model_copy(update={"speculative": SpeculativeConfig(**SPEC)})
+
+    def setup(engine) -> None:
+        engine.scheduler.proposer = oracle
+
+    requests, engine = run_engine(model_for("qwen2"), prompts, speculating, max_new=MAX_NEW, eos_token_id=2,
+                                  setup=setup, per_request=per_request)
+    _assert_equal(requests, [(r.generated, r.logprobs) for r in plain])
+    s = engine.scheduler
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
 def test_who_speculates() -> None:
-    """No proposals for a request that opted out, one with logits processors (a penalty), or when the step has disable_by_batch_size decoding requests."""
+    """No proposals for a request that opted out, or when the step has disable_by_batch_size
+    decoding requests (requests with logits processors speculate:
+    test_logits_processors_apply_per_proposed_row)."""
     prompt = _repetitive_prompts()[5]
     cases = {
         "opted out": {"speculative": False},
-        "penalty": {"sampling": SamplingParams(repetition_penalty=1.2)},
     }
     for name, kwargs in cases.items():
         engine = _engine(cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=200, speculative=SPEC))

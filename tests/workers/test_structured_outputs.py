@@ -39,12 +39,17 @@ def random_model():
     return tiny_model("llama", vocab_size=len(tokenizer()))
 
 
-def constrained_run(specs, max_new: int = 40):
+def constrained_run(specs, max_new: int = 40, proposer=None):
+    """`proposer`: speculative decoding with these proposals."""
     model = random_model()
     eos = tokenizer().eos_token_id
     structured = StructuredOutputs(tokenizer(), model.config.vocab_size, [eos])
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos)
-    engine = build_engine(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=400))
+    spec = {"num_speculative_tokens": 4, "disable_by_batch_size": None} if proposer is not None else None
+    engine = build_engine(model, gc, cbserve.ContinuousBatchingConfig(page_size=16, num_blocks=400,
+                                                                      return_logprobs=True, speculative=spec))
+    if proposer is not None:
+        engine.scheduler.proposer = proposer
     prompts = random_prompts([5, 30, 12, 50, 8, 21], vocab=len(tokenizer()))
     try:
         requests = [engine.make_request(prompts[i % len(prompts)], f"req_{i}",
@@ -83,6 +88,43 @@ def test_constrained_outputs_parse_and_validate_beside_free_ones() -> None:
             assert re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3}){0,2}\)", out), out
     free = [r for r, s in zip(requests, specs) if s is None]
     assert all(r.finish_reason == cbserve.FinishReason.LENGTH for r in free)  # random weights ramble
+
+
+class _OracleProposer:
+    """Proposes what the run without speculation drew next, but for one token in three (by
+    position), replaced by "@", which none of the test's grammars allows anywhere."""
+
+    def __init__(self, reference: dict[str, list[int]]) -> None:
+        self.reference, self.bad = reference, tokenizer().convert_tokens_to_ids("@")
+
+    def propose(self, requests, limits):
+        out = []
+        for r, limit in zip(requests, limits):
+            g = len(r.generated)
+            out.append([self.bad if (g + i) % 3 == 2 else t for i, t in enumerate(self.reference[r.request_id][g : g + limit])])
+        return out
+
+    def distributions(self, request_id):
+        return None
+
+    def forget(self, request_id):
+        pass
+
+
+def test_speculation_masks_each_proposed_row_by_the_grammar() -> None:
+    """Constrained requests speculate: each proposal's row is masked by the grammar after the
+    proposals before it, a proposal the grammar refuses is rejected, and tokens and logprobs are
+    those of the run without speculation."""
+    specs = [("json_schema", SCHEMA), None, ("regex", r"[0-9]{3}-[a-z]{2}"), ("choice", ["red", "green", "blue"]),
+             ("grammar", 'root ::= "(" [a-z]{1,3} ("," [a-z]{1,3}){0,2} ")"')]
+    plain = constrained_run(specs)
+    oracle = _OracleProposer({r.request_id: r.generated for r in plain})
+    speculated = constrained_run(specs, proposer=oracle)
+    for a, b in zip(plain, speculated):
+        assert b.generated == a.generated, b.request_id
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-6), b.request_id
+        assert b.finish_reason == a.finish_reason
+    assert not any(oracle.bad in r.generated for r in speculated)
 
 
 def test_an_objects_keys_come_in_the_schemas_order() -> None:
