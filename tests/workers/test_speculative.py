@@ -65,17 +65,20 @@ def test_greedy_speculation_equals_generate(arch: str) -> None:
     assert s.num_generated_tokens == MAX_NEW * len(prompts)
 
 
-def test_speculation_with_preemption_chunked_prefill_and_prefix_hits() -> None:
-    """A cache too small for every request (preemption and recompute), a budget that chunks the
-    prompts, pages of 4 tokens, and prompts sharing a prefix (prefix-cache hits)."""
+@pytest.mark.parametrize("offload", [0.0, 0.002])
+def test_speculation_with_preemption_chunked_prefill_and_prefix_hits(offload: float) -> None:
+    """A cache too small for every request (preemption and recompute, or with CPU offload the
+    evicted pages kept in host memory and restored), a budget that chunks the prompts, pages of 4
+    tokens, and prompts sharing a prefix (prefix-cache hits)."""
     base = _repetitive_prompts()
     prompts = base + [base[2][:40] + p for p in random_prompts([6, 9], seed=5)]
     cfg = cbserve.ContinuousBatchingConfig(page_size=4, num_blocks=70, max_batch_tokens=24, return_logprobs=True,
-                                           speculative=SPEC)
+                                           speculative=SPEC, cpu_offload_space=offload)
     requests, engine = run_engine(model_for("llama"), prompts, cfg, max_new=MAX_NEW)
     _assert_equal(requests, _reference("llama", prompts))
     s = engine.scheduler
     assert s.num_preemptions > 0 and s.prefix_hit_tokens > 0 and s.num_accepted_tokens > 0
+    assert (s.host_pages is not None and s.host_pages.num_restores > 0) == (offload > 0)
 
 
 def test_accepting_every_proposal_is_caught(monkeypatch) -> None:
