@@ -9,10 +9,11 @@ out, the copies of requests that are not proposing this round give theirs back, 
 used first (recomputed if they speculate again).
 
 A request whose copy lags far behind it and that has few tokens left does not speculate: the
-draft would prefill the lag, at about a target prefill's cost per token for a draft of the target's
-size, to save steps on the few tokens left. On 32 mixed streams the requests that start speculating
-(when fewer than `disable_by_batch_size` are left) are near their end: catching up ~1,800 tokens
-took 0.75 s of an 8 s run and the tail saved less (bfloat16, a Q4_1 draft).
+draft would prefill the lag to save steps on the few tokens left. On 32 mixed streams the requests
+that start speculating (when fewer than `disable_by_batch_size` are left) are near their end:
+catching up ~1,800 tokens took 0.75 s of an 8 s run and the tail saved less (bfloat16, a Q4_1 draft
+of the target's size). A copy may lag `max_lag_per_token_left` tokens per token left: 4 for a
+draft of the target's size, more for a smaller one (`draft_model.catch_up_factor`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ from collections import OrderedDict
 from cbserve.scheduler.block_manager import BlockManager
 from cbserve.scheduler.request import Request
 
-# A copy catches up at most this many tokens per token its request has left to generate.
-MAX_LAG_PER_TOKEN_LEFT = 4
-
 
 class DraftCopies:
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, max_lag_per_token_left: float) -> None:
         self.block_manager = block_manager  # the draft engine's
+        self.max_lag_per_token_left = max_lag_per_token_left
         # request id -> its copy, least recently proposed for first
         self._copies: OrderedDict[str, Request] = OrderedDict()
 
@@ -41,11 +40,11 @@ class DraftCopies:
     def sync(self, request: Request, k: int, proposing: set[str]) -> Request | None:
         """The request's copy, brought up to its tokens, with pages for k proposals (the last is
         not fed); None when the pages are not there even without the idle copies' pages, or the
-        copy lags too far behind for the tokens the request has left (MAX_LAG_PER_TOKEN_LEFT)."""
+        copy lags too far behind for the tokens the request has left."""
         copy = self._copies.get(request.request_id)
         tokens = request.tokens
         lag = len(tokens) - (min(copy.num_computed, len(tokens) - 1) if copy is not None else 0)
-        if lag > MAX_LAG_PER_TOKEN_LEFT * (request.max_new_tokens - len(request.generated)):
+        if lag > self.max_lag_per_token_left * (request.max_new_tokens - len(request.generated)):
             return None
         self._copies.pop(request.request_id, None)
         if copy is None:

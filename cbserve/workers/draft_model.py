@@ -20,6 +20,7 @@ speculate again); a request that still does not fit gets no proposal.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,6 +38,9 @@ from cbserve.workers.speculative import draw, target_distribution
 # The draft's KV cache takes at most this share of the target's cache bytes (and never holds
 # more tokens than the target's).
 DRAFT_CACHE_SHARE = 0.25
+# A copy of a draft of the target's size catches up at most this many tokens per token its
+# request has left (`scheduler/draft_copies.py`); a smaller draft's, more.
+MAX_LAG_PER_TOKEN_LEFT = 4
 
 
 @dataclass
@@ -51,12 +55,13 @@ class _Round:
 
 
 class DraftModelProposer:
-    def __init__(self, engine: EngineCore, num_tokens: int) -> None:
+    def __init__(self, engine: EngineCore, num_tokens: int, catch_up: float = MAX_LAG_PER_TOKEN_LEFT) -> None:
         """`engine`: the draft model's own (`workers/factory.py` builds it with `load_draft` and
-        `draft_engine_config`), whose paged cache, block manager and runner this drives."""
+        `draft_engine_config`), whose paged cache, block manager and runner this drives;
+        `catch_up`: the most tokens a copy may lag per token its request has left (`catch_up_factor`)."""
         self.engine = engine
         self.num_tokens = num_tokens
-        self.copies = DraftCopies(engine.block_manager)
+        self.copies = DraftCopies(engine.block_manager, catch_up)
         self._probs: dict[str, torch.Tensor] = {}  # a sampled request's last proposal's q rows
         self._seeded: dict[str, torch.Generator] = {}  # a seeded request's draws: reproducible
         self._generator = torch.Generator()
@@ -143,6 +148,17 @@ def load_draft(spec: SpeculativeConfig, target: torch.nn.Module) -> torch.nn.Mod
         raise ValueError(f"speculative.quantization='auto' needs a GGUF draft (speculative.model {spec.model!r} is "
                          "not a GGUF file): use 'int8', or point speculative.model at a .gguf file")
     return model.to(param.device).eval()
+
+
+def catch_up_factor(target: Any, draft: Any) -> float:
+    """MAX_LAG_PER_TOKEN_LEFT scaled by how much cheaper a token is for the draft than for the
+    target (`target`, `draft`: their transformers configs; a layer's cost taken as hidden x
+    (hidden + intermediate))."""
+    def cost(config: Any) -> int:
+        hidden = config.hidden_size
+        return config.num_hidden_layers * hidden * (hidden + (getattr(config, "intermediate_size", None) or 4 * hidden))
+
+    return MAX_LAG_PER_TOKEN_LEFT * max(1.0, cost(target) / cost(draft))
 
 
 def draft_engine_config(config: ContinuousBatchingConfig, draft: torch.nn.Module,

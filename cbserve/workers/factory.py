@@ -127,7 +127,8 @@ def speculation(config: ContinuousBatchingConfig, model: torch.nn.Module, cache:
         engine = build_engine(draft, GenerationConfig(), draft_model.draft_engine_config(config, draft, cache))
         logger.info("draft model %s: %d KV pages (%.1f MiB)", spec.model, engine.cache.num_blocks,
                     engine.cache.nbytes / 2**20)
-        proposer = draft_model.DraftModelProposer(engine, spec.num_speculative_tokens)
+        proposer = draft_model.DraftModelProposer(engine, spec.num_speculative_tokens,
+                                                  draft_model.catch_up_factor(model.config, draft.config))
     else:
         proposer = NgramProposer(spec)
     return {"proposer": proposer, "speculate_below": spec.disable_by_batch_size,

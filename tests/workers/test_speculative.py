@@ -591,13 +591,17 @@ def test_draft_cache_full_evicts_idle_copies(tmp_path, monkeypatch) -> None:
 
 
 def test_draft_skips_a_long_catch_up_for_few_tokens_left(tmp_path) -> None:
-    """A 40-token prompt the draft has not seen: no proposal with 9 tokens left to generate (a
-    40-token prefill for them: more than MAX_LAG_PER_TOKEN_LEFT per token), a proposal with 10."""
-    from cbserve.scheduler.draft_copies import MAX_LAG_PER_TOKEN_LEFT
+    """A 40-token prompt the draft (of the target's size) has not seen: no proposal with 9 tokens
+    left to generate (a 40-token prefill for them: more than 4 per token), a proposal with 10. A
+    draft of half the target's layers may lag twice as far."""
     from cbserve.scheduler.request import Request
+    from cbserve.workers.draft_model import catch_up_factor
 
-    assert MAX_LAG_PER_TOKEN_LEFT == 4
     engine, proposer, folder = _draft_proposer(tmp_path)
+    assert proposer.copies.max_lag_per_token_left == 4
+    target = model_for("llama").config
+    half = target.__class__(**{**target.to_dict(), "num_hidden_layers": target.num_hidden_layers // 2})
+    assert catch_up_factor(target, half) == 8
     try:
         prompt = random_prompts([40], seed=3)[0]
         short, longer = Request("short", prompt, 9, frozenset()), Request("longer", prompt, 10, frozenset())
