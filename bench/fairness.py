@@ -30,6 +30,10 @@ On a CPU a step's time grows with its tokens and cannot be interrupted, so a new
 the step in flight (half of one on average) and then for its own: `held_step_tokens` keeps its
 own step short at no cost to throughput, `parent_step_tokens` bounds the step in flight, which
 costs a fan-out the fixed cost of each extra step.
+Session 17 (a 2-core AMX Xeon, `--manager --probes 12`): `shared_parent_step_tokens` (16 on a CPU
+by default) caps a call's steps only while another tenant or parent is live or was within
+`shared_window_s`: 1.32-1.84x with the fan-out at 528-547 tok/s alone and 364-405 beside the
+probes, against 1.83-5.78x with it off (`--engine '{"shared_parent_step_tokens": 0}'`).
 Serve's `worker.max_ongoing_requests` must be at least one call's choices (ray_config.yaml: 1024):
 beyond it they queue in the replica first come first served, before the engine's fair share.
 """

@@ -23,6 +23,9 @@ DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 # Measured on 2 CPU cores (bench/fairness.py --manager, 512 choices of 8 tokens): 64 cut a
 # fan-out's throughput from 136 to 57 tok/s alone, for a short request's TTFT 28x -> 5.7x idle.
 DEFAULT_PARENT_STEP_TOKENS: dict[str, int] = {}
+# The same while the engine is shared (`shared_parent_step_tokens`): on a CPU, where a step's time
+# grows with its rows, a fan-out beside others takes short steps (bench/fairness.py).
+DEFAULT_SHARED_PARENT_STEP_TOKENS: dict[str, int] = {"cpu": 16}
 
 
 class SpeculativeConfig(BaseModel):
@@ -119,6 +122,16 @@ class ContinuousBatchingConfig(BaseModel):
         "one's, so a lone request's prefill chunk is not cut); on a CPU a step's "
         "time grows with its tokens and a newcomer waits for the step in flight, so this bounds its wait behind a "
         "fan-out, at a cost in its throughput (bench/fairness.py). None or 0: no cap"
+    )
+    shared_parent_step_tokens: int | None = Field(
+        None, ge=0, description="parent_step_tokens while the engine is shared: another tenant or parent request "
+        "is live, or was within shared_window_s. A fan-out alone keeps its whole throughput; beside others its "
+        "steps stay short, so their requests wait for short steps. None: 16 on a CPU, no cap on a GPU; 0: no cap"
+    )
+    shared_window_s: float = Field(
+        5.0, ge=0.0, description="how long after another tenant or parent request was last live the engine still "
+        "counts as shared (a client's next request comes after a pause: its first token should not wait for a "
+        "whole fan-out step either)"
     )
     held_step_tokens: int | None = Field(
         4, ge=1, description="while a newcomer (a tenant or parent request with no first token yet) could be "
@@ -318,6 +331,11 @@ class ContinuousBatchingConfig(BaseModel):
         if self.parent_step_tokens is None:
             return DEFAULT_PARENT_STEP_TOKENS.get(device_type)
         return self.parent_step_tokens or None
+
+    def resolved_shared_parent_step_tokens(self, device_type: str) -> int | None:
+        if self.shared_parent_step_tokens is None:
+            return DEFAULT_SHARED_PARENT_STEP_TOKENS.get(device_type)
+        return self.shared_parent_step_tokens or None
 
     @property
     def resolved_safety_margin(self) -> float:

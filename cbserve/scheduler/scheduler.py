@@ -15,8 +15,9 @@ Between tenants and parent requests the engine is shared fairly (`fair_share.py`
 requests are admitted, and running ones given the step's tokens, least charged tenant and parent
 first, after `priority`; one parent's choices take at most `parent_share` of `max_requests` in
 the running set, so there is always room to admit another request, and at most
-`parent_step_tokens` of a step; while a newcomer is owed its first token, the others take at most
-`held_step_tokens` of the step (`StepLimits`), so that its first step is short.
+`parent_step_tokens` of a step (`shared_parent_step_tokens` while others are or were lately live,
+so that their requests wait for short steps); while a newcomer is owed its first token, the others
+take at most `held_step_tokens` of the step (`StepLimits`), so that its first step is short.
 
 With speculative decoding, a decoding request's row carries the tokens the proposer (`ngram.py`,
 or a draft model) expects next, when their pages are free (proposals never preempt anyone): its K/V rows are written and its logits verified in the same pass
@@ -27,6 +28,7 @@ The proposals count in the step's token budget; only the verified ones count as 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +113,8 @@ class Scheduler:
         release_window: int | None = None,
         parent_step_tokens: int | None = None,
         held_step_tokens: int | None = None,
+        shared_parent_step_tokens: int | None = None,
+        shared_window_s: float = 0.0,
         proposer: Proposer | None = None,
         speculate_below: int | None = None,
         num_speculative_tokens: int = 0,
@@ -130,6 +134,9 @@ class Scheduler:
         self.max_running_per_parent = max(1, int(parent_share * max_requests))
         # Query tokens per step: of one parent's choices; of others while a newcomer is owed (`StepLimits`).
         self.parent_step_tokens, self.held_step_tokens = parent_step_tokens, held_step_tokens
+        # ... and while the engine is shared (`_parent_step_tokens`; `_shared_at`: when it last was).
+        self.shared_parent_step_tokens, self.shared_window_s = shared_parent_step_tokens, shared_window_s
+        self.clock, self._shared_at = time.monotonic, float("-inf")
         self._transfers: list[KVTransfer] = []
         # Speculative decoding: proposals in steps with fewer than `speculate_below` decoding requests.
         self.proposer, self.speculate_below = proposer, speculate_below
@@ -143,9 +150,7 @@ class Scheduler:
         self.release_window = release_window
         # Called with each pass's advanced entries, before their tokens are taken (the node pool).
         self.on_computed: Callable[[list[ScheduledRequest]], None] | None = None
-        self.num_preemptions = 0
-        self.num_recomputes = 0
-        self.prefix_hit_tokens = 0
+        self.num_preemptions, self.num_recomputes, self.prefix_hit_tokens = 0, 0, 0
         self.num_steps = 0  # forward passes taken (`update`)
         self.num_prompt_tokens = 0  # prompt tokens computed (not recomputed after a preemption)
         self.num_generated_tokens = 0
@@ -328,7 +333,20 @@ class Scheduler:
             if len(running) < self.max_requests and not (running and bm.num_free < self.safety_margin * bm.num_blocks):
                 newcomers += [r for r in self.waiting if not r.generated and not r.num_inflight
                               and not self._parent_full(r) and bm.pages_needed(r.num_tokens) <= bm.num_free]
-        return StepLimits(self.shares, self.parent_step_tokens, self.held_step_tokens, newcomers, started)
+        return StepLimits(self.shares, self._parent_step_tokens(), self.held_step_tokens, newcomers, started)
+
+    def _parent_step_tokens(self) -> int | None:
+        """One parent's query tokens this step: `parent_step_tokens`, and `shared_parent_step_tokens`
+        while the engine is shared (several tenants or parents live now or within `shared_window_s`):
+        a newcomer then waits for a short step in flight, not for a fan-out's whole one."""
+        if self.shared_parent_step_tokens is None:
+            return self.parent_step_tokens
+        now = self.clock()
+        if self.shares.several_groups():
+            self._shared_at = now
+        if now - self._shared_at > self.shared_window_s:
+            return self.parent_step_tokens
+        return min(c for c in (self.parent_step_tokens, self.shared_parent_step_tokens) if c is not None)
 
     def _parent_full(self, request: Request) -> bool:
         """Its parent request already has its most choices running (room left for others)."""

@@ -83,6 +83,8 @@ def build_parts(model: torch.nn.Module, config: ContinuousBatchingConfig, worklo
     scheduler = Scheduler(block_manager, sizes.max_batch_tokens, sizes.max_requests, config.scheduler,
                           config.resolved_safety_margin, host_pages, config.parent_share, sizes.release_window,
                           parent_step_tokens=config.resolved_parent_step_tokens(device.type),
+                          shared_parent_step_tokens=config.resolved_shared_parent_step_tokens(device.type),
+                          shared_window_s=config.shared_window_s,
                           held_step_tokens=config.held_step_tokens,
                           max_loras=config.max_loras if config.enable_lora else None,
                           **speculation(config, model, cache))

@@ -358,6 +358,27 @@ def test_parent_step_tokens_caps_a_fan_out_alone_but_not_a_lone_request() -> Non
     assert tokens_of(step(lone), "long") == 300  # one request's prefill chunk is never cut
 
 
+def test_a_fan_out_beside_others_takes_short_steps_until_the_window_passes() -> None:
+    """shared_parent_step_tokens: alone a fan-out decodes its whole running share per step; while
+    another tenant's request is live, and for shared_window_s after it ends, 16 tokens."""
+    now = [0.0]
+    s = limited(held_step_tokens=None, max_requests=64)
+    s.shared_parent_step_tokens, s.shared_window_s, s.clock = 16, 5.0, lambda: now[0]
+    for r in fan_out("big", 512):
+        s.add(r)
+    for _ in range(3):
+        step(s)
+    assert tokens_of(step(s), "big") == 32  # alone: its whole running share
+    single = request("single", tenant="b", parent="single", max_new=2)
+    s.add(single)
+    while single.status != RequestStatus.FINISHED:
+        assert tokens_of(step(s), "big") == 16
+        now[0] += 1.0
+    assert tokens_of(step(s), "big") == 16  # 1 s after: still shared
+    now[0] += 5.0
+    assert tokens_of(step(s), "big") == 32  # the window has passed
+
+
 def test_fifo_order_unchanged_for_one_tenant_without_parent_ids() -> None:
     """The Python API (one tenant, no parent ids): the same plans, step for step, as with no limits."""
     def plans(s: Scheduler) -> list[list[tuple[str, int]]]:
@@ -378,6 +399,9 @@ def test_step_limits_config_defaults() -> None:
     assert cbserve.ContinuousBatchingConfig(parent_step_tokens=0).resolved_parent_step_tokens("cpu") is None
     assert cbserve.ContinuousBatchingConfig(parent_step_tokens=64).resolved_parent_step_tokens("cpu") == 64
     assert config.held_step_tokens == 4
+    assert config.resolved_shared_parent_step_tokens("cpu") == 16
+    assert config.resolved_shared_parent_step_tokens("cuda") is None
+    assert cbserve.ContinuousBatchingConfig(shared_parent_step_tokens=0).resolved_shared_parent_step_tokens("cpu") is None
     with pytest.raises(ValueError, match="held_step_tokens"):
         cbserve.ContinuousBatchingConfig(held_step_tokens=0)
 
