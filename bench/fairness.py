@@ -285,6 +285,8 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     limits = app.setdefault("limits", {})
     for name, wanted in (("max_prompts", args.prompts), ("max_n", args.n),
                          ("max_tokens", max(args.fanout_max_tokens, args.probe_max_tokens))):
+        if name in limits and limits[name] is None:  # no limit (max_tokens: the context)
+            continue
         limits[name] = max(limits.get(name, wanted), wanted)
     if args.model:
         app["model"] = args.model
