@@ -328,20 +328,21 @@ class ContinuousBatchingConfig(BaseModel):
         return self
 
     def resolved_parent_step_tokens(self, device_type: str) -> int | None:
-        if self.parent_step_tokens is None:
-            return DEFAULT_PARENT_STEP_TOKENS.get(device_type)
-        return self.parent_step_tokens or None
+        return _step_cap(self.parent_step_tokens, DEFAULT_PARENT_STEP_TOKENS, device_type)
 
     def resolved_shared_parent_step_tokens(self, device_type: str) -> int | None:
-        if self.shared_parent_step_tokens is None:
-            return DEFAULT_SHARED_PARENT_STEP_TOKENS.get(device_type)
-        return self.shared_parent_step_tokens or None
+        return _step_cap(self.shared_parent_step_tokens, DEFAULT_SHARED_PARENT_STEP_TOKENS, device_type)
 
     @property
     def resolved_safety_margin(self) -> float:
         if self.safety_margin is not None:
             return self.safety_margin
         return DEFAULT_SAFETY_MARGIN[self.scheduler]
+
+
+def _step_cap(value: int | None, defaults: dict[str, int], device_type: str) -> int | None:
+    """A per-step token cap: None takes the device's default, 0 is no cap."""
+    return defaults.get(device_type) if value is None else value or None
 
 
 def with_fields(config: ContinuousBatchingConfig, **fields: Any) -> ContinuousBatchingConfig:

@@ -43,16 +43,15 @@ class DraftCopies:
         copy lags too far behind for the tokens the request has left."""
         copy = self._copies.get(request.request_id)
         tokens = request.tokens
-        lag = len(tokens) - (min(copy.num_computed, len(tokens) - 1) if copy is not None else 0)
-        if lag > self.max_lag_per_token_left * (request.max_new_tokens - len(request.generated)):
-            return None
-        self._copies.pop(request.request_id, None)
-        if copy is None:
-            copy = Request(request.request_id, [], 0, frozenset())
-        common = min(copy.num_computed, len(tokens) - 1)
+        common = 0 if copy is None else min(copy.num_computed, len(tokens) - 1)
         while common > 0 and copy.tokens[common - 1] != tokens[common - 1]:  # where proposals were cut
             common -= 1
-        copy.num_computed, copy.tokens = common, list(tokens)
+        if len(tokens) - common > self.max_lag_per_token_left * (request.max_new_tokens - len(request.generated)):
+            return None
+        if copy is None:
+            copy = Request(request.request_id, [], 0, frozenset())
+        copy.num_computed, copy.tokens[common:] = common, tokens[common:]  # the rest is the same already
+        self._copies.pop(request.request_id, None)
         self._copies[request.request_id] = copy  # most recently used last
         while not self.block_manager.allocate(copy, len(tokens) + k - 1):
             idle = next((c for rid, c in self._copies.items() if rid not in proposing and c.block_ids), None)

@@ -84,6 +84,15 @@ def _bar(logits: torch.Tensor, row: int, tokens: list[int]) -> None:
         logits[row, torch.tensor(tokens, device=logits.device)] = float("-inf")
 
 
+def processing_failed(request: Request, exc: Exception) -> RequestFault:
+    """The fault of a request whose own logits processing or grammar raised `exc` (logged)."""
+    logger.exception("request %s: its logits processing raised", request.request_id)
+    fault = RequestFault("grammar" if request.grammar is not None else "logits_processors",
+                         f"the request's logits processing failed ({type(exc).__name__})")
+    fault.__cause__ = exc
+    return fault
+
+
 def no_token_left(request: Request) -> RequestFault:
     """The fault of a request whose own constraints together exclude every token, e.g. a grammar
     that can only end while min_new_tokens still bars EOS."""
@@ -171,12 +180,8 @@ class LogitsProcessing:
         for i in rows:
             try:
                 processed[i] = self._process(logits[i : i + 1], [requests[i]], [0])[0]
-            except Exception as exc:
-                logger.exception("request %s: its logits processing raised", requests[i].request_id)
-                fault = RequestFault("grammar" if requests[i].grammar is not None else "logits_processors",
-                                     f"the request's logits processing failed ({type(exc).__name__})")
-                fault.__cause__ = exc
-                faults[i] = fault
+            except Exception as exc:  # noqa: BLE001 (logged by processing_failed; the row alone fails)
+                faults[i] = processing_failed(requests[i], exc)
         return processed, faults
 
     def _process(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:

@@ -15,17 +15,13 @@ the target's.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from cbserve.errors import RequestFault
 from cbserve.scheduler.request import Request, SamplingParams
 from cbserve.scheduler.scheduler import StepResult
-from cbserve.workers.logits_processors import no_token_left
+from cbserve.workers.logits_processors import no_token_left, processing_failed
 from cbserve.workers.sampler import Sampler, min_p_filter, process_logits, top_pairs
-
-logger = logging.getLogger(__name__)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -100,8 +96,11 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Re
             if request.grammar is not None or request.sampling.processes_logits:
                 try:
                     rows, draft = _processed(sampler, rows, request, draft)
+                except RequestFault as fault:  # its constraints leave no token: it alone fails
+                    faults.append((request, fault))
+                    continue
                 except Exception as exc:  # noqa: BLE001 (the request's own processing: it alone fails)
-                    faults.append((request, processing_fault(request, exc)))
+                    faults.append((request, processing_failed(request, exc)))
                     continue
             by_request[id(request)] = _verified(rows, draft, request, sampler.generator_of(request), want_logprobs, q)
     result = StepResult([], [], [], [], faults)
@@ -129,15 +128,6 @@ def _processed(sampler: Sampler, rows: torch.Tensor, request: Request,
         return processed[:cut], draft[: cut - 1]
     return processed, draft
 
-
-def processing_fault(request: Request, exc: Exception) -> RequestFault:
-    if isinstance(exc, RequestFault):
-        return exc
-    logger.exception("request %s: its logits processing for its proposals raised", request.request_id)
-    fault = RequestFault("grammar" if request.grammar is not None else "logits_processors",
-                         f"the request's logits processing failed ({type(exc).__name__})")
-    fault.__cause__ = exc
-    return fault
 
 
 def _verified(rows: torch.Tensor, draft: list[int], request: Request, generator: torch.Generator,
