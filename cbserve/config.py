@@ -165,7 +165,8 @@ class ContinuousBatchingConfig(BaseModel):
     )
     speculative: SpeculativeConfig | None = Field(
         None, description="speculative decoding (a SpeculativeConfig or a dict of its fields); None: off. A request "
-        "opts out with speculative=False; requests with logits processors, a grammar or prompt logprobs never speculate"
+        "opts out with speculative=False; one owing prompt logprobs speculates once they are computed; logits processors "
+        "and grammars process each proposed row as if the proposals before it were generated"
     )
     cpu_offload_space: float | None = Field(0.0, ge=0.0)
     cpu_offload_space_safety_threshold: float = Field(0.8, gt=0.0, le=1.0)
@@ -275,6 +276,13 @@ class ContinuousBatchingConfig(BaseModel):
                 raise ValueError("use_cuda_graph=True needs a CUDA device, and none is available")
             if self.use_async_batching:
                 raise ValueError("use_async_batching=True needs a CUDA device, and none is available")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_window_needs_a_cap(self) -> ContinuousBatchingConfig:
+        if "shared_window_s" in self.model_fields_set and self.shared_parent_step_tokens == 0:
+            raise ValueError(f"shared_window_s={self.shared_window_s} has no effect with shared_parent_step_tokens=0 "
+                             "(no cap while the engine is shared): set one or the other")
         return self
 
     @model_validator(mode="after")

@@ -402,6 +402,8 @@ def test_step_limits_config_defaults() -> None:
     assert config.resolved_shared_parent_step_tokens("cpu") == 16
     assert config.resolved_shared_parent_step_tokens("cuda") is None
     assert cbserve.ContinuousBatchingConfig(shared_parent_step_tokens=0).resolved_shared_parent_step_tokens("cpu") is None
+    with pytest.raises(ValueError, match="shared_window_s=2.0 has no effect with shared_parent_step_tokens=0"):
+        cbserve.ContinuousBatchingConfig(shared_parent_step_tokens=0, shared_window_s=2.0)
     with pytest.raises(ValueError, match="held_step_tokens"):
         cbserve.ContinuousBatchingConfig(held_step_tokens=0)
 
