@@ -875,6 +875,26 @@ def test_service_monitor_sends_the_api_key_when_metrics_need_it(helm: Any) -> No
     assert not service["spec"]["selector"].items() <= pods["batch/head"].items()
 
 
+def test_serve_grpc_messages_are_capped_at_the_body_limit(helm: Any) -> None:
+    """Serve's gRPC proxies run on every Ray pod and read the cap from their environment: the
+    app's `limits.max_body_bytes` (as `make serve` sets it), not Serve's own 2 GiB."""
+    def caps(values: dict[str, Any] | None) -> set[str | None]:
+        docs = render(helm, values)
+        out = set()
+        for where, pod in pod_templates(docs).items():
+            if where.endswith("submitter"):
+                continue
+            for container in pod["spec"]["containers"]:
+                if container["name"].startswith("ray-"):
+                    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                    out.add(env.get("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"))
+        return out
+
+    file_cap = app_args(yaml.safe_load(RAY_CONFIG.read_text()))["limits"]["max_body_bytes"]
+    assert caps(None) == {str(file_cap)}
+    assert caps({"serve": {"args": {"limits": {"max_body_bytes": 4096}}}}) == {"4096"}
+
+
 def _value_keys(text: str) -> list[tuple[str, bool]]:
     """(dotted key, has a comment of its own) for every mapping key of values.yaml, list items aside."""
     out: list[tuple[str, bool]] = []

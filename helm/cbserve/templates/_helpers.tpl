@@ -352,9 +352,16 @@ template:
 {{- end }}
 {{- end -}}
 
-{{/* Environment of every Ray container: the API key from its Secret, the caches' folders, then `env`. */}}
+{{/* Environment of every Ray container: the caches' folders, Serve's gRPC message cap (the
+proxies read it at start: the app's `limits.max_body_bytes`, as `make serve` sets it; Serve's own
+default is 2 GiB), the API key from its Secret, then `env`. */}}
 {{- define "cbserve.env" -}}
 {{- include "cbserve.cacheEnv" . }}
+{{- $limits := (include "cbserve.args" . | fromYaml).limits | default dict }}
+{{- with $limits.max_body_bytes }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ int . | toString | quote }}
+{{- end }}
 {{- if .Values.apiKey.existingSecret }}
 - name: CBSERVE_API_KEY
   valueFrom:
