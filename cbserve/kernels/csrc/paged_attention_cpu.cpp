@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -244,6 +245,13 @@ CB_AVX512 inline __m512 load16_avx512(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// bfloat16 values as float32 without a lane-crossing widening: one load of 32 gives the even
+// ones (shifted up) and the odd ones (masked).
+CB_AVX512 inline __m512 even_bf16(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+CB_AVX512 inline __m512 odd_bf16(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 template <typename T>
 struct Avx512 {
   using Acc = float;
@@ -332,11 +340,23 @@ struct Avx512 {
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 16
       for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_setzero_ps();
+    // bfloat16 rows of 32k values: vj[2c] holds values 32c + 2m (lane m), vj[2c + 1] values
+    // 32c + 2m + 1, put back in order at the end (no lane-crossing widening per 16 values).
+    constexpr bool halves = std::is_same_v<T, c10::BFloat16> && DV % 2 == 0;
     CB_FOR_SLOTS(sl, j, slot) {
       const T* vr = v + slot * kv_row;
       __m512 vj[DV];
+      if constexpr (halves) {
+#pragma GCC unroll 8
+        for (int c = 0; c < DV / 2; ++c) {
+          const __m512i x = _mm512_loadu_si512(vr + 32 * c);
+          vj[2 * c] = even_bf16(x);
+          vj[2 * c + 1] = odd_bf16(x);
+        }
+      } else {
 #pragma GCC unroll 16
-      for (int i = 0; i < DV; ++i) vj[i] = load16_avx512(vr + 16 * i, 0xFFFF);
+        for (int i = 0; i < DV; ++i) vj[i] = load16_avx512(vr + 16 * i, 0xFFFF);
+      }
 #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g * n + j]);
@@ -349,7 +369,16 @@ struct Avx512 {
     for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 16
       for (int i = 0; i < DV; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
-      for (int d = 0; d < 16 * DV; ++d) out[g * 16 * DV + d] = static_cast<T>(buf[d]);
+      T* o = out + g * 16 * DV;
+      if constexpr (halves) {
+        for (int c = 0; c < DV / 2; ++c)
+          for (int m = 0; m < 16; ++m) {
+            o[32 * c + 2 * m] = static_cast<T>(buf[32 * c + m]);
+            o[32 * c + 2 * m + 1] = static_cast<T>(buf[32 * c + 16 + m]);
+          }
+      } else {
+        for (int d = 0; d < 16 * DV; ++d) o[d] = static_cast<T>(buf[d]);
+      }
     }
   }
 };
