@@ -199,6 +199,12 @@ class ContinuousBatchingConfig(BaseModel):
         600.0, gt=0.0, description="the step watchdog: a step running longer makes check_health() fail (a stuck "
         "kernel or device; a served replica is then replaced); None: no watchdog. Above a first step's compile time"
     )
+    engine_nice: int = Field(
+        0, ge=0, le=19, description="Linux nice value of the engine thread and its OpenMP workers (they inherit it). "
+        "Above 0 a request's serving threads (HTTP parsing, tokenization, streaming, Serve's proxy) take a shared "
+        "CPU from the engine as soon as they wake instead of queueing behind its OpenMP team; the engine still gets "
+        "every cycle they leave idle, but less than other processes' CPU-bound threads. 0: unchanged"
+    )
     tp_size: int = Field(1, ge=1)
     tp_launcher: Literal["spawn", "torchrun", "external"] | None = Field(
         None, description="how the tensor-parallel ranks start: spawn (local processes started by the engine), "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -76,10 +77,22 @@ def check_transition(old: LoopState, new: LoopState) -> None:
         raise IllegalTransition(f"the engine loop cannot go from {old.value} to {new.value}")
 
 
+def lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: nice is per thread, and threads it creates inherit it) the
+    nice value `nice` (0: left alone). A refusal is logged, never raised: only latency depends on it."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as exc:  # no setpriority here, or not allowed
+        logger.warning("engine_nice=%d not applied to the engine thread: %r", nice, exc)
+
+
 class EngineLoop:
-    def __init__(self, engine: EngineCore, step_timeout_s: float | None = None) -> None:
+    def __init__(self, engine: EngineCore, step_timeout_s: float | None = None, nice: int = 0) -> None:
         self.engine = engine
         self.step_timeout_s = step_timeout_s  # the step watchdog's limit (check_health)
+        self.nice = nice  # the engine thread's (and so its OpenMP team's) nice value
         self.outputs = OutputStore()
         self.clock = TokenClock()
         # Guards the inbox, the live set and the state. An RLock: cancel() may be called with it held.
@@ -329,6 +342,7 @@ class EngineLoop:
                     self._emit(request)
 
     def _loop(self) -> None:
+        lower_priority(self.nice)  # before the first parallel region: the OpenMP workers inherit it
         try:
             while self._run_once():
                 pass

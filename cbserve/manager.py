@@ -78,7 +78,7 @@ class ContinuousBatchingManager:
         self.engine = build_engine(model, generation_config, config, workload_from_hints(workload_hints))
         self.config = self.engine.config
         self.generation_config = self.engine.generation_config
-        self._loop = EngineLoop(self.engine, self.config.step_timeout_s)
+        self._loop = EngineLoop(self.engine, self.config.step_timeout_s, self.config.engine_nice)
         # The loop's lock, live requests and outputs: a submission checks and queues atomically.
         self._cond, self._live, self._outputs = self._loop.cond, self._loop.live, self._loop.outputs
         self._next_id = 0

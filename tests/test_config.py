@@ -15,7 +15,7 @@ BAD_VALUES = [
     ("safety_margin", -0.1), ("safety_margin", 1.01), ("cpu_offload_space", -1.0),
     ("cpu_offload_space_safety_threshold", 0.0), ("cpu_offload_space_safety_threshold", 1.2),
     ("max_queue_size", -1), ("cpu_group_timeout", 0.0), ("tp_size", 0), ("block_size", 2),
-    ("page_size", "big"), ("allow_block_sharing", "maybe"),
+    ("page_size", "big"), ("allow_block_sharing", "maybe"), ("engine_nice", -1), ("engine_nice", 20),
 ]
 
 

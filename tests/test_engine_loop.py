@@ -4,6 +4,8 @@ broken engine, a dying thread, destroy) takes exactly its legal path, and an ill
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -321,3 +323,62 @@ def test_start_hands_back_the_calling_threads_openmp_team_first(loop: RecordingL
                         lambda: calls.append((threading.current_thread(), loop.is_running())) or True)
     loop.start()
     assert calls == [(threading.current_thread(), False)]
+
+
+def _threads_at_nice(nice: int) -> set[int]:
+    """Native ids of this process's threads whose nice value is `nice` (/proc: Linux)."""
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[16]) == nice:
+            out.add(int(tid))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
+def test_engine_nice_lowers_the_engine_thread_and_its_openmp_team_only(engine: FakeEngine) -> None:
+    """`engine_nice`: the engine thread, and the OpenMP workers of its first parallel region (which
+    inherit it), run at the nice value; the thread that started the loop keeps its own."""
+    seen: dict[str, object] = {}
+    step = engine.step
+
+    def step_and_look() -> list[Request]:
+        seen["engine"] = threading.get_native_id()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        torch.ones(1 << 22).mul_(2)  # a parallel region: this thread's OpenMP team starts here
+        seen["at_nice"] = _threads_at_nice(7)
+        return step()
+
+    engine.step = step_and_look  # type: ignore[method-assign]
+    before = _threads_at_nice(7)
+    loop = EngineLoop(engine, nice=7)  # type: ignore[arg-type]
+    loop.queue([request("a", 1)])
+    loop.start()
+    try:
+        assert final(loop, "a").status == RequestStatus.FINISHED
+    finally:
+        loop.stop()
+        loop.join(TIMEOUT)
+    assert seen["nice"] == 7
+    workers = seen["at_nice"] - before - {seen["engine"]}  # type: ignore[operator]
+    assert seen["engine"] in seen["at_nice"] and len(workers) >= min(1, torch.get_num_threads() - 1), (
+        seen, torch.get_num_threads())
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+
+
+def test_engine_nice_zero_leaves_the_engine_thread_alone(engine: FakeEngine) -> None:
+    niceness: list[int] = []
+    step = engine.step
+    engine.step = lambda: niceness.append(os.nice(0)) or step()  # type: ignore[method-assign]
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
+    loop.queue([request("a", 1)])
+    loop.start()
+    try:
+        assert final(loop, "a").status == RequestStatus.FINISHED
+    finally:
+        loop.stop()
+        loop.join(TIMEOUT)
+    assert niceness == [os.nice(0)]
