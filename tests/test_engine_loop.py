@@ -325,6 +325,17 @@ def test_start_hands_back_the_calling_threads_openmp_team_first(loop: RecordingL
     assert calls == [(threading.current_thread(), False)]
 
 
+def run_one_request(loop: EngineLoop) -> None:
+    """Start the loop, run one one-token request to its end, stop the loop."""
+    loop.queue([request("a", 1)])
+    loop.start()
+    try:
+        assert final(loop, "a").status == RequestStatus.FINISHED
+    finally:
+        loop.stop()
+        loop.join(TIMEOUT)
+
+
 def _threads_at_nice(nice: int) -> set[int]:
     """Native ids of this process's threads whose nice value is `nice` (/proc: Linux)."""
     out = set()
@@ -355,13 +366,7 @@ def test_engine_nice_lowers_the_engine_thread_and_its_openmp_team_only(engine: F
     engine.step = step_and_look  # type: ignore[method-assign]
     before = _threads_at_nice(7)
     loop = EngineLoop(engine, nice=7)  # type: ignore[arg-type]
-    loop.queue([request("a", 1)])
-    loop.start()
-    try:
-        assert final(loop, "a").status == RequestStatus.FINISHED
-    finally:
-        loop.stop()
-        loop.join(TIMEOUT)
+    run_one_request(loop)
     assert seen["nice"] == 7
     workers = seen["at_nice"] - before - {seen["engine"]}  # type: ignore[operator]
     assert seen["engine"] in seen["at_nice"] and len(workers) >= min(1, torch.get_num_threads() - 1), (
@@ -374,11 +379,5 @@ def test_engine_nice_zero_leaves_the_engine_thread_alone(engine: FakeEngine) -> 
     step = engine.step
     engine.step = lambda: niceness.append(os.nice(0)) or step()  # type: ignore[method-assign]
     loop = EngineLoop(engine)  # type: ignore[arg-type]
-    loop.queue([request("a", 1)])
-    loop.start()
-    try:
-        assert final(loop, "a").status == RequestStatus.FINISHED
-    finally:
-        loop.stop()
-        loop.join(TIMEOUT)
+    run_one_request(loop)
     assert niceness == [os.nice(0)]
