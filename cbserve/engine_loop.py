@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -78,13 +79,16 @@ def check_transition(old: LoopState, new: LoopState) -> None:
 
 
 def lower_priority(nice: int) -> None:
-    """Give the calling thread (Linux: nice is per thread, and threads it creates inherit it) the
+    """Give the calling thread (Linux only: nice is per thread, and threads it creates inherit it) the
     nice value `nice` (0: left alone). A refusal is logged, never raised: only latency depends on it."""
     if nice <= 0:
         return
+    if not sys.platform.startswith("linux"):  # elsewhere the id of a thread may name another process
+        logger.warning("engine_nice=%d not applied: a nice value per thread is Linux's", nice)
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError) as exc:  # no setpriority here, or not allowed
+    except OSError as exc:  # not allowed (a container may forbid it)
         logger.warning("engine_nice=%d not applied to the engine thread: %r", nice, exc)
 
 
