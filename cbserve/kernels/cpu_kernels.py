@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp",
     "quant_linear_cpu.cpp", "lora_cpu.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_paths.h", "exp_vector.h")]  # included by sources: in the build's digest too
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_paths.h", "exp_vector.h", "task_queue.h")]  # included by sources: in the build's digest too
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.
 CFLAGS = ["-O3", "-fopenmp"]

@@ -4,6 +4,8 @@ packing cannot be used."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -218,3 +220,26 @@ def test_amx_is_read_from_the_cpu_flags(monkeypatch) -> None:
     assert cpu_isa.has_amx_bf16()
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     assert not cpu_isa.has_amx_bf16()
+
+
+@pytest.mark.parametrize("isa,dtype", CPP_PATHS, ids=[p[0] for p in CPP_PATHS])
+def test_cpp_linear_results_do_not_depend_on_the_thread_count(isa: str, dtype) -> None:
+    """Threads take the next (row block, panel) task as they free up (`csrc/task_queue.h`): which
+    thread ran a task must not show in the result."""
+    skip_unless_runs(isa)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU here: no second thread to split the tasks with")
+    gen = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(576, 1000, bias=True).to(dtype)
+    packed = packed_linear.PackedLinear(linear, isa=isa)
+    inputs = [torch.randn(rows, 576, generator=gen).to(dtype) for rows in (1, 13, 131, 1200)]
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            alone = [packed(x) for x in inputs]
+            torch.set_num_threads(2)
+            for x, want in zip(inputs, alone, strict=True):
+                assert torch.equal(packed(x), want), tuple(x.shape)
+    finally:
+        torch.set_num_threads(threads)

@@ -34,6 +34,7 @@
 #include <string>
 #include <tuple>
 
+#include "task_queue.h"
 #include "vector_paths.h"
 
 namespace {
@@ -362,7 +363,7 @@ at::Tensor add_rms_norm_(const std::optional<at::Tensor>& x, at::Tensor& residua
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    cbserve_tasks::for_each_row_chunk(rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* xr = xp ? xp + t * n : nullptr;
         const float e = static_cast<float>(eps);
@@ -391,7 +392,7 @@ void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_
     scalar_t* p = qkv.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
     const scalar_t* s = sin.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(heads * d), [&](int64_t begin, int64_t end) {
+    cbserve_tasks::for_each_row_chunk(rows, grain(heads * d), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         // The avx512 path rotates with avx2's code: compiled for AVX-512 it ran 1.2-3x slower.
         if (path != Path::kGeneric) rope_row_avx2<scalar_t>(p + t * ld, c + t * d, s + t * d, heads, d);
@@ -415,7 +416,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) {
     using scalar_t = decltype(tag);
     const scalar_t* g = gu.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    cbserve_tasks::for_each_row_chunk(rows, grain(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (path == Path::kAvx512) silu_row_avx512<scalar_t>(g + t * 2 * n, o + t * n, n);
         else if (path == Path::kAvx2) silu_row_avx2<scalar_t>(g + t * 2 * n, o + t * n, n);

@@ -36,6 +36,8 @@
 #include <optional>
 #include <string>
 
+#include "task_queue.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define CB_X86 1
@@ -435,13 +437,12 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   // Blocks of equal size (in whole 12-row tiles) holding at most ROW_BLOCK_BYTES of inputs each.
   const int64_t blocks = std::max<int64_t>(1, (m * k * elem + ROW_BLOCK_BYTES - 1) / ROW_BLOCK_BYTES);
   const int64_t block = ((m + blocks - 1) / blocks + 11) / 12 * 12, nblocks = (m + block - 1) / block;
-  at::parallel_for(0, nblocks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t / panels * block, p = t % panels, col = p * nr;
-      PanelArgs a{xp + r0 * k * elem, k, k, wp + p * panel_bytes, yp + (r0 * n + col) * elem, n,
-                  std::min(nr, n - col), bp ? bp + col * elem : nullptr, std::min(block, m - r0)};
-      fn(a);
-    }
+  const int64_t tasks = nblocks * panels;
+  cbserve_tasks::for_each_task(tasks, [&](int64_t t) {
+    const int64_t r0 = t / panels * block, p = t % panels, col = p * nr;
+    PanelArgs a{xp + r0 * k * elem, k, k, wp + p * panel_bytes, yp + (r0 * n + col) * elem, n,
+                std::min(nr, n - col), bp ? bp + col * elem : nullptr, std::min(block, m - r0)};
+    fn(a);
   });
   return y;
 }
