@@ -7,6 +7,7 @@ counts of decode steps on a CPU each costs more in dispatch than in arithmetic. 
   one C++ op each (`csrc/layer_ops_cpu.cpp`, float32 / bfloat16), rounding where transformers does;
 - q/k/v and gate/up as one GEMM each when `packed_linear.pack_linears` packed them fused (attributes
   `cb_qkv_proj` / `cb_gate_up_proj` of the attention / MLP module), else the model's own projections;
+  gate/up with silu(gate) * up in the GEMM's epilogue where the C++ kernel has one (AVX-512 paths);
 - attention through the engine's paged attention function, called as transformers calls it.
 
 Other dtypes (float64 in the exactness tests) or a CPU without the C++ kernels: the same steps with
@@ -148,6 +149,8 @@ class LlamaForward:
     def mlp(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         fused = mlp._modules.get(GATE_UP)
         if fused is not None:
+            if self.cpp and getattr(fused, "silu_epilogue", False):
+                return linear(mlp.down_proj, fused.silu_mul(x))
             gate_up = linear(fused, x)
             if self.cpp:
                 h = cpu_kernels.silu_mul(gate_up, self.isa)

@@ -44,6 +44,18 @@ _PATHS = {
 AMX_ONEDNN_FROM_ROWS = 4
 
 
+# The C++ kernel's paths with 32-column panels, where a gate/up projection can take silu(gate) * up
+# into its epilogue (`PackedLinear.silu_mul`).
+EPILOGUE_PATHS = ("avx512", "avx512_bf16")
+
+
+def gate_up_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A gate/up weight ``[2I, K]`` (gate rows, then up rows) with its rows reordered so that each
+    32-row panel holds 16 gate rows and the same 16 up rows: a panel's tile then has both inputs
+    of silu(gate) * up for 16 outputs."""
+    return weight.unflatten(0, (2, -1, 16)).transpose(0, 1).flatten(0, 2).contiguous()
+
+
 def onednn_from_rows(isa: str | None, dtype: torch.dtype) -> int | None:
     """From how many rows a call of the C++ kernel's path `isa` goes to oneDNN instead; None: never."""
     if isa is None or dtype != torch.bfloat16 or not cpu_isa.has_amx_bf16():
@@ -83,7 +95,8 @@ class PackedLinear(torch.nn.Module):
     it runs the dtype here, with oneDNN for calls of `onednn_from_rows` rows or more.
     """
 
-    def __init__(self, linear: torch.nn.Linear, kind: str | None = None, isa: str | None = None) -> None:
+    def __init__(self, linear: torch.nn.Linear, kind: str | None = None, isa: str | None = None,
+                 silu_epilogue: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -100,20 +113,41 @@ class PackedLinear(torch.nn.Module):
             cpu_kernels.load()
         self.onednn_from = onednn_from_rows(self.isa, dtype) if kind is None and isa is None else None
         self.packed = self.onednn = None
+        # A gate/up projection whose C++ kernel also applies silu(gate) * up (`silu_mul`).
+        self.silu_epilogue = (silu_epilogue and self.isa in EPILOGUE_PATHS and linear.bias is None
+                              and self.out_features % 32 == 0)
         if self.kind == "cbserve":
-            self.packed = torch.ops.cbserve_cpu.pack_linear_weight(weight, self.isa)
+            panels = gate_up_panels(weight) if self.silu_epilogue else weight
+            self.packed = torch.ops.cbserve_cpu.pack_linear_weight(panels, self.isa)
         if self.kind == "onednn" or self.onednn_from is not None:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.original = [linear]  # a list: not a submodule, so its weight is not counted twice
 
+    def _cpp_runs(self, x: torch.Tensor) -> bool:
+        return self.packed is not None and (self.onednn_from is None or x.numel() < self.onednn_from * self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (self.onednn_from is None or x.numel() < self.onednn_from * self.in_features):
-            return torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features, self.isa)
+        if self._cpp_runs(x):
+            y = torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features, self.isa)
+            if self.silu_epilogue:  # the panels' columns back in the weight's order
+                y = y.unflatten(-1, (-1, 2, 16)).transpose(-3, -2).flatten(-3)
+            return y
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this gate/up projection's output ``[.., 2I]`` (gate first): ``[.., I]``,
+        in the GEMM's epilogue when it has one (the same numbers as `cpu_kernels.silu_mul` on its output)."""
+        if self.silu_epilogue and self._cpp_runs(x):
+            return torch.ops.cbserve_cpu.packed_gate_up_silu(x, self.packed, self.out_features // 2, self.isa)
+        from cbserve.kernels import cpu_kernels
+
+        return cpu_kernels.silu_mul(self.forward(x))
 
     def extra_repr(self) -> str:
         how = self.kind if self.kind == "onednn" else f"cbserve {self.isa}"
+        if self.silu_epilogue:
+            how += ", silu(gate) * up in the epilogue"
         if self.onednn_from is not None:
             how += f", oneDNN from {self.onednn_from} rows"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for {how}"
@@ -175,14 +209,15 @@ def pack_linears(model: torch.nn.Module, batch_invariant: bool | None = None) ->
 
 def _fused(parent: torch.nn.Module, parts: tuple[str, ...], kind: str | None) -> PackedLinear:
     """One `PackedLinear` over the concatenated weights of `parent`'s `parts` (their outputs side by
-    side); it keeps no unpacked copy (`unpack_linears` drops it)."""
+    side); it keeps no unpacked copy (`unpack_linears` drops it). Gate/up: with silu in its epilogue
+    where the kernel has one."""
     linears = [getattr(parent, p) for p in parts]
     joined = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                              bias=linears[0].bias is not None, device="meta")
     joined.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
     if joined.bias is not None:
         joined.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-    packed = PackedLinear(joined, kind)
+    packed = PackedLinear(joined, kind, silu_epilogue=parts == ("gate_proj", "up_proj"))
     packed.original = []
     return packed
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cbserve
-from cbserve.kernels import llama_forward, packed_linear
+from cbserve.kernels import cpu_isa, llama_forward, packed_linear
 from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -45,6 +45,9 @@ def test_packed_weights_equal_generate_and_are_given_back(arch: str) -> None:
     assert covered == len(before) > 0
     assert sum(m.out_features for _, m in packed) == sum(m.out_features for m in before.values())
     assert any(name.endswith(llama_forward.QKV) for name, _ in packed) == (arch == "llama")
+    # The lean forward's gate/up: silu(gate) * up in the GEMM's epilogue where the path has one.
+    gate_ups = [m for name, m in packed if name.endswith(llama_forward.GATE_UP)]
+    assert all(m.silu_epilogue == (m.isa in packed_linear.EPILOGUE_PATHS) for m in gate_ups)
     assert_matches_reference(requests, refs, tol=1e-4)
     after = linears(model)
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
@@ -243,3 +246,56 @@ def test_cpp_linear_results_do_not_depend_on_the_thread_count(isa: str, dtype) -
                 assert torch.equal(packed(x), want), tuple(x.shape)
     finally:
         torch.set_num_threads(threads)
+
+
+EPILOGUE_PATHS = [p for p in CPP_PATHS if p[0] in packed_linear.EPILOGUE_PATHS]
+
+
+@pytest.mark.parametrize("isa,dtype", EPILOGUE_PATHS, ids=[p[0] for p in EPILOGUE_PATHS])
+@pytest.mark.parametrize("in_features,intermediate", [(48, 16), (576, 1536), (33, 80)])
+def test_gate_up_silu_epilogue_equals_the_projection_then_silu_mul(isa: str, dtype, in_features: int,
+                                                                    intermediate: int) -> None:
+    """The gate/up GEMM with silu(gate) * up in its epilogue: bit for bit what the projection then
+    `silu_mul` give, at every row count (row tiles of 12, row blocks of several tasks); its plain
+    forward keeps the weight's column order."""
+    from cbserve.kernels import cpu_kernels
+
+    skip_unless_runs(isa)
+    gen = torch.Generator().manual_seed(intermediate)
+    linear = torch.nn.Linear(in_features, 2 * intermediate, bias=False).to(dtype)
+    with torch.no_grad():
+        linear.weight.mul_(4)  # gate values far enough out for silu's both tails
+    fused = packed_linear.PackedLinear(linear, isa=isa, silu_epilogue=True)
+    plain = packed_linear.PackedLinear(linear, isa=isa)
+    assert fused.silu_epilogue and not plain.silu_epilogue
+    assert "silu(gate) * up in the epilogue" in repr(fused)
+    with torch.inference_mode():
+        for rows in (*range(1, 26), 64, 131, 1200):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            gate_up = plain(x)
+            assert torch.equal(fused(x), gate_up), rows
+            assert torch.equal(fused.silu_mul(x), cpu_kernels.silu_mul(gate_up)), rows
+        x = torch.randn(2, 3, in_features, generator=gen).to(dtype)
+        assert torch.equal(fused.silu_mul(x), cpu_kernels.silu_mul(plain(x)))
+        assert fused.silu_mul(torch.randn(0, in_features).to(dtype)).shape == (0, intermediate)
+
+
+def test_the_silu_epilogue_is_only_taken_where_it_applies() -> None:
+    """A bias, a width the 16-column halves do not divide, or a path without 32-column panels
+    (AVX2) keep the projection and `silu_mul` apart, with the same results."""
+    from cbserve.kernels import cpu_kernels
+
+    skip_unless_runs("avx2")
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.nn.Linear(40, 64, bias=True), "avx2"), (torch.nn.Linear(40, 64, bias=False), "avx2")]
+    if not (cpu_kernels.unavailable_reason() or cpu_isa.why_not("avx512")):
+        cases += [(torch.nn.Linear(40, 64, bias=True), "avx512"), (torch.nn.Linear(40, 48, bias=False), "avx512")]
+    for linear, isa in cases:
+        fused = packed_linear.PackedLinear(linear, isa=isa, silu_epilogue=True)
+        assert not fused.silu_epilogue, (linear, isa)
+        x = torch.randn(5, 40, generator=gen)
+        with torch.inference_mode():
+            assert torch.equal(fused.silu_mul(x), cpu_kernels.silu_mul(fused(x)))
+    with pytest.raises(RuntimeError, match="avx512 and avx512_bf16 paths"):
+        plain = packed_linear.PackedLinear(torch.nn.Linear(40, 64, bias=False), isa="avx2")
+        torch.ops.cbserve_cpu.packed_gate_up_silu(torch.randn(2, 40), plain.packed, 32, "avx2")

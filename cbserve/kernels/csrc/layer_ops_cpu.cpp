@@ -455,6 +455,21 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::s
 
 }  // namespace
 
+// silu_mul's avx512 rows for other kernels (linear_cpu.cpp's gate/up epilogue): `rows` rows of
+// [gate n | up n] at a stride of `ld_in` values, into rows of n at a stride of `ld_out`.
+namespace cbserve_silu {
+void rows_avx512(bool bf16, const void* gate_up, int64_t ld_in, void* out, int64_t ld_out, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bf16) {
+      silu_row_avx512<c10::BFloat16>(static_cast<const c10::BFloat16*>(gate_up) + r * ld_in,
+                                     static_cast<c10::BFloat16*>(out) + r * ld_out, n);
+    } else {
+      silu_row_avx512<float>(static_cast<const float*>(gate_up) + r * ld_in, static_cast<float*>(out) + r * ld_out, n);
+    }
+  }
+}
+}  // namespace cbserve_silu
+
 TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("add_rms_norm_(Tensor? x, Tensor(a!) residual, Tensor weight, float eps, str isa) -> Tensor", &add_rms_norm_);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim, str isa) -> ()", &rope_);

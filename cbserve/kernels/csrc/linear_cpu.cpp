@@ -35,8 +35,13 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "task_queue.h"
+
+namespace cbserve_silu {  // layer_ops_cpu.cpp: silu_mul's avx512 rows
+void rows_avx512(bool bf16, const void* gate_up, int64_t ld_in, void* out, int64_t ld_out, int64_t rows, int64_t n);
+}
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -388,9 +393,8 @@ void run_avx2(const float* x, int64_t m, int64_t k, const float* w, int64_t pane
 
 // ----------------------------------------------------------------------------------- the op
 
-at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, const std::string& isa_name) {
-  const Isa isa = parse_isa(isa_name);
+// The checks every packed op makes of its input and packed weight (for `out_features` outputs).
+void check_packed(const at::Tensor& input, const at::Tensor& packed, int64_t out_features, Isa isa) {
   check(cpu_has(isa), "this CPU lacks the instruction set of the requested path");
   check(input.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   const at::ScalarType dtype = is_bf16(isa) ? at::kBFloat16 : at::kFloat;
@@ -407,13 +411,32 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   check(panels == (out_features + nr - 1) / nr, "out_features does not match the packed weight");
   check(packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
         "the packed weight must be contiguous and 64-byte aligned");
+}
+
+// Tasks of (row block, panel) for `m` rows of K = k: `run(first row, rows, panel)` each. Row
+// blocks of equal size (in whole 12-row tiles) hold at most ROW_BLOCK_BYTES of inputs each.
+template <typename F>
+void for_each_panel_task(int64_t m, int64_t k, int64_t elem, int64_t panels, const F& run) {
+  const int64_t blocks = std::max<int64_t>(1, (m * k * elem + ROW_BLOCK_BYTES - 1) / ROW_BLOCK_BYTES);
+  const int64_t block = ((m + blocks - 1) / blocks + 11) / 12 * 12, nblocks = (m + block - 1) / block;
+  cbserve_tasks::for_each_task(nblocks * panels, [&](int64_t t) {
+    const int64_t r0 = t / panels * block;
+    run(r0, std::min(block, m - r0), t % panels);
+  });
+}
+
+at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                         int64_t out_features, const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name);
+  check_packed(input, packed, out_features, isa);
+  const int64_t nr = panel_width(isa), k = input.size(-1), panels = packed.size(0);
   const at::Tensor x = input.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor y = at::empty(shape, x.options());
   std::optional<at::Tensor> b;
   if (bias && bias->defined()) {
-    check(bias->scalar_type() == dtype && bias->numel() == out_features && bias->device().is_cpu(),
+    check(bias->scalar_type() == x.scalar_type() && bias->numel() == out_features && bias->device().is_cpu(),
           "the bias must be a CPU tensor [out_features] of the input's dtype");
     b = bias->contiguous();
   }
@@ -434,15 +457,45 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed, cons
   const char* bp = b ? static_cast<const char*>(b->data_ptr()) : nullptr;
   char* yp = static_cast<char*>(y.data_ptr());
   const int64_t n = out_features, panel_bytes = packed.numel() / panels * elem;
-  // Blocks of equal size (in whole 12-row tiles) holding at most ROW_BLOCK_BYTES of inputs each.
-  const int64_t blocks = std::max<int64_t>(1, (m * k * elem + ROW_BLOCK_BYTES - 1) / ROW_BLOCK_BYTES);
-  const int64_t block = ((m + blocks - 1) / blocks + 11) / 12 * 12, nblocks = (m + block - 1) / block;
-  const int64_t tasks = nblocks * panels;
-  cbserve_tasks::for_each_task(tasks, [&](int64_t t) {
-    const int64_t r0 = t / panels * block, p = t % panels, col = p * nr;
-    PanelArgs a{xp + r0 * k * elem, k, k, wp + p * panel_bytes, yp + (r0 * n + col) * elem, n,
-                std::min(nr, n - col), bp ? bp + col * elem : nullptr, std::min(block, m - r0)};
-    fn(a);
+  for_each_panel_task(m, k, elem, panels, [&](int64_t r0, int64_t rows, int64_t p) {
+    const int64_t col = p * nr;
+    fn(PanelArgs{xp + r0 * k * elem, k, k, wp + p * panel_bytes, yp + (r0 * n + col) * elem, n,
+                 std::min(nr, n - col), bp ? bp + col * elem : nullptr, rows});
+  });
+  return y;
+}
+
+// silu(gate) * up of a gate/up projection, [.., intermediate], from a weight packed with each
+// 32-column panel holding 16 gate columns then the same 16 up columns (PackedLinear's
+// `silu_epilogue`): a panel's tile goes to a small buffer, rounded as packed_linear rounds it,
+// and silu_mul's own row code makes the panel's 16 outputs from it. The [.., 2 * intermediate]
+// projection is never written out and read back: the same results as packed_linear then silu_mul,
+// bit for bit.
+at::Tensor packed_gate_up_silu(const at::Tensor& input, const at::Tensor& packed, int64_t intermediate,
+                               const std::string& isa_name) {
+  const Isa isa = parse_isa(isa_name);
+  check(isa != Isa::avx2, "the gate/up silu epilogue runs on the avx512 and avx512_bf16 paths (32-column panels)");
+  check(intermediate > 0 && intermediate % 16 == 0, "intermediate must be a positive multiple of 16");
+  check_packed(input, packed, 2 * intermediate, isa);
+  const PanelFn fn = panel_fn(isa);
+  check(fn != nullptr, "this build has no kernel for the requested path (not an x86-64 build)");
+  const int64_t k = input.size(-1), panels = packed.size(0);
+  check(k > 0, "in_features must be positive");
+  const at::Tensor x = input.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = intermediate;
+  at::Tensor y = at::empty(shape, x.options());
+  if (y.numel() == 0) return y;
+  const int64_t m = y.numel() / intermediate, elem = x.element_size(), panel_bytes = packed.numel() / panels * elem;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  char* yp = static_cast<char*>(y.data_ptr());
+  const bool bf16 = is_bf16(isa);
+  for_each_panel_task(m, k, elem, panels, [&](int64_t r0, int64_t rows, int64_t p) {
+    thread_local std::vector<char> tile;  // rows x [16 gate | 16 up]
+    tile.resize(std::max<size_t>(tile.size(), static_cast<size_t>(rows * 32 * elem)));
+    fn(PanelArgs{xp + r0 * k * elem, k, k, wp + p * panel_bytes, tile.data(), 32, 32, nullptr, rows});
+    cbserve_silu::rows_avx512(bf16, tile.data(), 32, yp + (r0 * intermediate + p * 16) * elem, intermediate, rows, 16);
   });
   return y;
 }
@@ -454,4 +507,5 @@ TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("pack_linear_weight(Tensor weight, str isa) -> Tensor", &pack_linear_weight);
   m.def("packed_linear(Tensor input, Tensor packed, Tensor? bias, int out_features, str isa) -> Tensor",
         &packed_linear);
+  m.def("packed_gate_up_silu(Tensor input, Tensor packed, int intermediate, str isa) -> Tensor", &packed_gate_up_silu);
 }
