@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cbserve
-from cbserve.kernels import cpu_kernels, llama_forward
+from cbserve.kernels import cpu_kernels, llama_forward, packed_linear
 from tests.support.exactness import assert_matches_reference, run_engine
 from tests.support.tiny_models import random_prompts, reference_generate, tiny_model
 
@@ -55,7 +55,10 @@ def test_lean_forward_equals_generate(dtype: torch.dtype, pack: bool | None, tol
 @needs_kernels
 @pytest.mark.parametrize("op", ["add_rms_norm_", "rope_", "silu_mul"])
 def test_a_broken_op_is_caught(monkeypatch, op: str) -> None:
-    original = getattr(cpu_kernels, op)
+    owner = cpu_kernels
+    if op == "silu_mul" and packed_linear.cpp_path(torch.float32) in packed_linear.EPILOGUE_PATHS:
+        owner = packed_linear.PackedLinear  # silu(gate) * up runs in the gate/up GEMM's epilogue here
+    original = getattr(owner, op)
 
     def broken(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -63,7 +66,7 @@ def test_a_broken_op_is_caught(monkeypatch, op: str) -> None:
         target.mul_(1.01)
         return out
 
-    monkeypatch.setattr(cpu_kernels, op, broken)
+    monkeypatch.setattr(owner, op, broken)
     requests, refs, _ = run(tiny_model("llama", dtype=torch.float32), config())
     with pytest.raises(AssertionError):
         assert_matches_reference(requests, refs, tol=1e-4)
