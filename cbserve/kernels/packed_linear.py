@@ -15,6 +15,12 @@ kernels avoid it:
   multiplies oneDNN uses and our AVX-512 kernel does not): then both packed copies are kept and
   each call picks one by its number of rows.
 
+A gate/up projection (the lean Llama forward's fused `cb_gate_up_proj`) on the 32-column AVX-512
+paths also takes silu(gate) * up into the kernel's epilogue (`PackedLinear.silu_mul`): its panels
+hold 16 gate and the same 16 up columns, so the [T, 2I] projection is never written out and read
+back by a separate op (mixed workload on a 2-core Zen 4, with `csrc/task_queue.h`: +6% bfloat16,
++2.5% float32).
+
 The packed weight is another copy (the model keeps its own, untouched, for after the engine):
 weights take twice their memory while an engine runs (three times with both kernels).
 `prepack_weights=False` turns it off.
@@ -115,7 +121,7 @@ class PackedLinear(torch.nn.Module):
         self.packed = self.onednn = None
         # A gate/up projection whose C++ kernel also applies silu(gate) * up (`silu_mul`).
         self.silu_epilogue = (silu_epilogue and self.isa in EPILOGUE_PATHS and linear.bias is None
-                              and self.out_features % 32 == 0)
+                              and self.out_features % 32 == 0 and self.in_features > 0)
         if self.kind == "cbserve":
             panels = gate_up_panels(weight) if self.silu_epilogue else weight
             self.packed = torch.ops.cbserve_cpu.pack_linear_weight(panels, self.isa)
