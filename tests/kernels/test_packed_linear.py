@@ -211,6 +211,20 @@ def test_bfloat16_calls_of_many_rows_go_to_onednn_on_amx(monkeypatch) -> None:
             x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
             expected = (onednn if rows >= packed_linear.AMX_ONEDNN_FROM_ROWS else ours)(x)
             assert torch.equal(split(x), expected), rows
+    # A gate/up projection with the silu epilogue: its few-row calls take it, oneDNN's calls give the
+    # projection in the weight's column order, then silu_mul.
+    from cbserve.kernels import cpu_kernels
+
+    gate_up = torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+    split = packed_linear.PackedLinear(gate_up, silu_epilogue=True)
+    ours, onednn = packed_linear.PackedLinear(gate_up, "cbserve"), packed_linear.PackedLinear(gate_up, "onednn")
+    assert split.silu_epilogue and split.onednn_from == packed_linear.AMX_ONEDNN_FROM_ROWS
+    with torch.inference_mode():
+        for rows in (1, packed_linear.AMX_ONEDNN_FROM_ROWS, 37):
+            x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+            expected = (onednn if rows >= packed_linear.AMX_ONEDNN_FROM_ROWS else ours)(x)
+            assert torch.equal(split(x), expected), rows
+            assert torch.equal(split.silu_mul(x), cpu_kernels.silu_mul(expected)), rows
     monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: False)
     assert packed_linear.PackedLinear(linear).onednn_from is None
     assert packed_linear.PackedLinear(linear.float()).onednn_from is None  # float32: ours at every row count
