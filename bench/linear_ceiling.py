@@ -44,6 +44,12 @@ def layer_shapes(config) -> list[tuple[int, int]]:
             (inter, hidden)]
 
 
+def linear_weights(config) -> tuple[int, int]:
+    """(the decoder's linear weights over all layers, the LM head's weights)."""
+    return (sum(i * o for i, o in layer_shapes(config)) * config.num_hidden_layers,
+            config.hidden_size * config.vocab_size)
+
+
 def best_rate(config, dtype: torch.dtype, rows_list: list[int], repeat: int) -> tuple[float, dict[int, float]]:
     """The best GFLOPS over `rows_list` of every layer's linears then the LM head, and each row count's."""
     from cbserve.kernels.packed_linear import PackedLinear
@@ -52,8 +58,7 @@ def best_rate(config, dtype: torch.dtype, rows_list: list[int], repeat: int) -> 
     layers = [[PackedLinear(torch.nn.Linear(i, o, bias=False, dtype=dtype)) for i, o in layer_shapes(config)]
               for _ in range(config.num_hidden_layers)]
     head = PackedLinear(torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
-    flops_per_row = 2 * (sum(i * o for i, o in layer_shapes(config)) * config.num_hidden_layers
-                         + config.hidden_size * config.vocab_size)
+    flops_per_row = 2 * sum(linear_weights(config))
     rates: dict[int, float] = {}
     with torch.inference_mode():
         for rows in rows_list:
@@ -88,8 +93,7 @@ def main() -> None:
 
     config = AutoConfig.from_pretrained(str(checkpoint_folder(args.model)), local_files_only=True)
     prompt, output = workload_tokens(args.workload, args.seed)
-    layer_weights = sum(i * o for i, o in layer_shapes(config)) * config.num_hidden_layers
-    head_weights = config.hidden_size * config.vocab_size
+    layer_weights, head_weights = linear_weights(config)
     flops = 2 * (layer_weights * (prompt + output) + head_weights * output)
     peers = {d: float(v) for d, v in (s.split("=", 1) for s in args.peer)}
     print(f"{args.workload}: {prompt} prompt + {output} output tokens; {flops / 1e12:.2f} TFLOP in the linears "
