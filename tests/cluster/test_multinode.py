@@ -294,14 +294,28 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     serve.delete("tp")  # frees node C for the replacement replica
     lost = next(r for r, node in _placement(cluster)[WORKER].items() if node == nodes["A"].node_id)
     (lost_pid,) = [a.pid for a in _actors(f"ServeReplica:spread:{WORKER}") if a.name.rsplit("#", 1)[1] == lost]
-    # Fixed-length streams (no EOS), long enough that the node goes while they run on a fast machine
-    # too: at up to 96 tokens ending at EOS, a fast CI machine had finished them all before the kill.
+    # Fixed-length streams (no EOS) that run a while: at up to 96 tokens ending at EOS, a fast CI
+    # machine had finished them all before the kill.
     length = 160
+
+    def throttle(pid: int, stop: threading.Event) -> None:
+        """Run the replica at about a tenth of its speed: the client reads its streams' first tokens
+        while it is still generating. Unthrottled, a fast CI machine had generated every stream of
+        the lost replica whole before the kill (the ingress held the rest), and nothing migrated."""
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            stop.wait(0.045)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.005)
 
     def streams(kill_node_a: bool) -> tuple[list[Outcome], float]:
         """32 streams; with `kill_node_a`, node A goes once every stream has its first token (at the
         returned time)."""
         started = [threading.Event() for _ in range(32)]
+        stop_throttle = threading.Event()
+        throttler = threading.Thread(target=throttle, args=(lost_pid, stop_throttle), daemon=True)
+        if kill_node_a:
+            throttler.start()
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             # Prompts shorter than a routing chunk: two random choices spread them over both workers.
             futures = [pool.submit(_stream, port, f"go {i}", length, started[i], True) for i in range(32)]
@@ -309,6 +323,8 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
                 assert event.wait(120), "a stream never started"
             t0 = time.monotonic()
             if kill_node_a:
+                stop_throttle.set()
+                throttler.join()
                 # A crash takes every process of the node at once. `remove_node` kills the raylet,
                 # and the worker replica can go on generating until it notices: a fast machine can
                 # finish every stream by then, and nothing migrates (a CI run counted none).
@@ -330,8 +346,11 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     # Counted by the ingress replicas, read through the stats board (which may itself have been on
     # node A and be starting again): wait for the ingress replicas' next pushes. At least one: a stream
     # of the lost replica may have been generated whole, and be still in the ingress, when the node went.
-    _wait(lambda: sum(v for _, v in _metrics(port).get("cbserve:migrations_total", [])) >= 1, 60,
-          "cbserve:migrations_total to count the migrated streams")
+    def migrated() -> float:
+        return sum(v for _, v in _metrics(port).get("cbserve:migrations_total", []))
+
+    _wait(lambda: migrated() >= 1, 60, "cbserve:migrations_total to count the migrated streams")
+    print(f"[multinode] migrations counted: {migrated():.0f}")
 
     # The app serves again at once (the other worker), and Serve replaces the lost replica on C.
     for i in range(4):
