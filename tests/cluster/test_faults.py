@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import WORDS, free_port, start_local_ray, tiny_model_dir
+from tests.support.cluster import WORDS, free_port, start_local_ray, throttled, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -687,24 +687,26 @@ def test_killed_replica_streams_migrate_and_it_is_replaced(cluster: dict[str, An
     jobs = [(p, 400) for p in prompts]
     whole_jobs = [(f"whole {k} the sea", 400) for k in range(4)]
     reference(jobs + whole_jobs)
-    alive = {a["Name"].rsplit("#", 1)[1] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")}
-    whole = Load(cluster["http"])  # non-streaming requests, sent first: in flight on both replicas
-    for prompt, max_tokens in whole_jobs:
-        whole.start("/faults/v1/completions", prompt, max_tokens, client=complete, flowing_after=0)
-    whole.wait_flowing()
-    load = Load(cluster["http"])
-    for k, (prompt, max_tokens) in enumerate(jobs):  # half through the official client
-        load.start("/faults/v1/completions", prompt, max_tokens, client=openai_stream if k % 2 else stream)
-    load.wait_flowing()
-    # Routing hashes each prompt's first chunk onto the replicas, whose names are new each run: all
-    # 8 may land on one (about 1 run in 128). Then more streams, until the other serves one too.
-    for k in range(8):
-        if {o.replica for o in load.live if o is not None} == alive:
-            break
-        jobs.append((f"crash more {k} " + " ".join(rng.sample(WORDS, 6)), 400))
-        reference(jobs[-1:])
-        load.start("/faults/v1/completions", *jobs[-1], client=stream)
+    workers = _alive(f"SERVE_REPLICA::faults#{WORKER}#")
+    alive = {a["Name"].rsplit("#", 1)[1] for a in workers}
+    with throttled([a["Pid"] for a in workers]):  # until the kill: the streams are mid-generation then
+        whole = Load(cluster["http"])  # non-streaming requests, sent first: in flight on both replicas
+        for prompt, max_tokens in whole_jobs:
+            whole.start("/faults/v1/completions", prompt, max_tokens, client=complete, flowing_after=0)
+        whole.wait_flowing()
+        load = Load(cluster["http"])
+        for k, (prompt, max_tokens) in enumerate(jobs):  # half through the official client
+            load.start("/faults/v1/completions", prompt, max_tokens, client=openai_stream if k % 2 else stream)
         load.wait_flowing()
+        # Routing hashes each prompt's first chunk onto the replicas, whose names are new each run: all
+        # 8 may land on one (about 1 run in 128). Then more streams, until the other serves one too.
+        for k in range(8):
+            if {o.replica for o in load.live if o is not None} == alive:
+                break
+            jobs.append((f"crash more {k} " + " ".join(rng.sample(WORDS, 6)), 400))
+            reference(jobs[-1:])
+            load.start("/faults/v1/completions", *jobs[-1], client=stream)
+            load.wait_flowing()
 
     # The victim: the replica serving the most streams (both must serve some).
     per_replica = collections.Counter(o.replica for o in load.live if o is not None)
@@ -780,10 +782,12 @@ def test_a_32_stream_mix_migrates_off_a_killed_replica_unchanged(cluster: dict[s
 
     def run(kill: bool) -> tuple[list[Outcome], dict[str, int]]:
         load = Load(cluster["http"])
-        for prompt, max_tokens, extra in jobs:
-            load.start("/faults/v1/completions", prompt, max_tokens,
-                       client=functools.partial(stream_body, extra=extra), flowing_after=1)
-        load.wait_flowing()
+        pids = [a["Pid"] for a in _alive(f"SERVE_REPLICA::faults#{WORKER}#")] if kill else []
+        with throttled(pids):  # until the kill: the streams are mid-generation then
+            for prompt, max_tokens, extra in jobs:
+                load.start("/faults/v1/completions", prompt, max_tokens,
+                           client=functools.partial(stream_body, extra=extra), flowing_after=1)
+            load.wait_flowing()
         # The replica header names each choice's replica (n=2: two, comma-separated).
         per_replica = collections.Counter(r for o in load.live if o is not None for r in o.replica.split(",") if r)
         if kill:

@@ -22,6 +22,7 @@ Ray-side owner yet), so "one KV pool per node" is checked as the per-node host-m
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.cluster import PROXY_PATIENCE, SERVICER, free_port, tiny_model_dir
+from tests.support.cluster import PROXY_PATIENCE, SERVICER, free_port, throttled, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -298,33 +299,18 @@ def test_node_removed_under_load(cluster: dict[str, Any]) -> None:
     # machine had finished them all before the kill.
     length = 160
 
-    def throttle(pid: int, stop: threading.Event) -> None:
-        """Run the replica at about a tenth of its speed: the client reads its streams' first tokens
-        while it is still generating. Unthrottled, a fast CI machine had generated every stream of
-        the lost replica whole before the kill (the ingress held the rest), and nothing migrated."""
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            stop.wait(0.045)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.005)
-
     def streams(kill_node_a: bool) -> tuple[list[Outcome], float]:
         """32 streams; with `kill_node_a`, node A goes once every stream has its first token (at the
         returned time)."""
         started = [threading.Event() for _ in range(32)]
-        stop_throttle = threading.Event()
-        throttler = threading.Thread(target=throttle, args=(lost_pid, stop_throttle), daemon=True)
-        if kill_node_a:
-            throttler.start()
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            # Prompts shorter than a routing chunk: two random choices spread them over both workers.
-            futures = [pool.submit(_stream, port, f"go {i}", length, started[i], True) for i in range(32)]
-            for event in started:
-                assert event.wait(120), "a stream never started"
+            with throttled([lost_pid]) if kill_node_a else contextlib.nullcontext():
+                # Prompts shorter than a routing chunk: two random choices spread them over both workers.
+                futures = [pool.submit(_stream, port, f"go {i}", length, started[i], True) for i in range(32)]
+                for event in started:
+                    assert event.wait(120), "a stream never started"
             t0 = time.monotonic()
             if kill_node_a:
-                stop_throttle.set()
-                throttler.join()
                 # A crash takes every process of the node at once. `remove_node` kills the raylet,
                 # and the worker replica can go on generating until it notices: a fast machine can
                 # finish every stream by then, and nothing migrates (a CI run counted none).

@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +173,36 @@ def serve_app(args: dict[str, Any]) -> Iterator[tuple[Any, int, int]]:
         ray.shutdown()
         for k in added:
             os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def throttled(pids: list[int], run_s: float = 0.005, stop_s: float = 0.045) -> Iterator[None]:
+    """These processes run at about a tenth of their speed inside the block (SIGSTOP / SIGCONT in
+    turn). A test that kills a replica mid-generation throttles it while its streams start, so that
+    they are still generating at the kill: unthrottled, a fast CI machine had generated the tiny
+    model's streams whole before it (the ingress held the rest), and nothing migrated."""
+    stop = threading.Event()
+
+    def signal_all(sig: signal.Signals) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def cycle() -> None:
+        while not stop.is_set():
+            signal_all(signal.SIGSTOP)
+            stop.wait(stop_s)
+            signal_all(signal.SIGCONT)
+            time.sleep(run_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        signal_all(signal.SIGCONT)  # never leave a stopped process behind
 
 
 @contextlib.contextmanager
