@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402 - bench/common.py, beside this file
+import common  # bench/common.py, beside this file
 
 
 def workload_tokens(name: str, seed: int) -> tuple[int, int]:

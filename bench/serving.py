@@ -13,7 +13,9 @@ exactly `--prompt-tokens` tokens, `--max-tokens` new tokens, greedy) twice, back
 Per level and path: output tok/s (tokens of completed requests over the level's wall time),
 TTFT and inter-token latency p50/p90 (the engine's inter-token gaps are its step times at that
 batch), CPU time per output token (this process and the server's process tree: what serving
-costs, which a shared machine disturbs less than the rates), then the HTTP/engine ratios and the done-when checks of issue 21: HTTP tok/s >= 85% of
+costs, which a shared machine disturbs less than the rates), how often the engine's threads were
+preempted (involuntary context switches a second of the busiest threads, its OpenMP team: served,
+each streamed chunk's wake-ups take cores from them), then the HTTP/engine ratios and the done-when checks of issue 21: HTTP tok/s >= 85% of
 the engine's, HTTP ITL p50 <= 1.3x the engine's step time, and at 1 client HTTP TTFT <= the
 engine's (the prefill time) + 50 ms. The machine's load average is printed with every phase.
 
@@ -257,6 +259,33 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
     return out
 
 
+def thread_stats(pids: list[int]) -> dict[tuple[int, int], tuple[float, int]]:
+    """{(pid, thread id): (CPU seconds, involuntary context switches)} of every thread of `pids`
+    (Linux /proc; empty elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                status = (task / "status").read_text()
+                switches = int(status.split("nonvoluntary_ctxt_switches:", 1)[1].split()[0])
+                out[(pid, int(task.name))] = ((int(fields[11]) + int(fields[12])) / tick, switches)
+    return out
+
+
+def team_preemptions(before: dict[tuple[int, int], tuple[float, int]], after: dict[tuple[int, int], tuple[float, int]],
+                     wall: float, threads: int) -> float | None:
+    """Involuntary context switches per second and thread of the `threads` threads that used the most
+    CPU between two `thread_stats` snapshots (the engine's OpenMP team): how often other work took a
+    core from a thread that a parallel region then waits for."""
+    deltas = sorted(((cpu - before.get(key, (0.0, 0))[0], n - before.get(key, (0.0, 0))[1])
+                     for key, (cpu, n) in after.items()), reverse=True)[:threads]
+    if not deltas or wall <= 0:
+        return None
+    return sum(n for _, n in deltas) / len(deltas) / wall
+
+
 def own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
@@ -459,12 +488,16 @@ def _engine_share(before: Any, after: Any, wall: float) -> dict[str, Any]:
     return {"steps": int(steps), "step_ms": 1000 * busy / steps, "busy_share": busy / wall}
 
 
-def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: Any) -> dict[str, Any]:
+def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: Any,
+           engine_pids: list[int], threads: int) -> dict[str, Any]:
+    """`engine_pids`: the processes the engine runs in (this one, or the server's), whose busiest
+    `threads` threads are its OpenMP team."""
     before = common.loadavg()
     print(f"  {name:<6} {level:>3} clients ... (load average {before})", flush=True)
-    cpu0, steps0 = (own_cpu_s(), tree_cpu(server)), counters()
+    cpu0, steps0, team0 = (own_cpu_s(), tree_cpu(server)), counters(), thread_stats(engine_pids)
     records, wall = asyncio.run(coroutine)
     s = summarize(records, wall)
+    s["engine_preemptions_per_s"] = team_preemptions(team0, thread_stats(engine_pids), wall, threads)
     s["load"] = before or (float("nan"),) * 3
     by_process = cpu_used(cpu0[1], tree_cpu(server))
     s["server_cores"] = {k: round(v / wall, 3) for k, v in sorted(by_process.items(), key=lambda kv: -kv[1])}
@@ -478,6 +511,8 @@ def _phase(name: str, level: int, coroutine: Any, server: int | None, counters: 
     if e["steps"]:
         print(f"    engine: {e['steps']} steps of {e['step_ms']:.1f} ms on average, busy {100 * e['busy_share']:.0f}% "
               "of the wall time", flush=True)
+    if s["engine_preemptions_per_s"] is not None:
+        print(f"    engine threads: each preempted {s['engine_preemptions_per_s']:.0f} times a second", flush=True)
     busy = [f"{k} {v:.2f}" for k, v in s["server_cores"].items() if v >= 0.02]
     if busy:
         print(f"    server cores used: {', '.join(busy)}", flush=True)
@@ -515,9 +550,10 @@ def main(argv: list[str] | None = None) -> int:
                 total = max(8, args.per_client * level)
                 prompts = make_prompts(tokenizer, total, args.prompt_tokens, 1000 * args.seed + 100 * n + r + 2)
                 eng = _phase("engine", level, engine_level(manager, eos, prompts, level, args.max_tokens), server,
-                             engine_counters(manager))
+                             engine_counters(manager), [os.getpid()], threads)
                 http = _phase("http", level, http_level(target, prompts, level, args.max_tokens,
-                                                        args.request_timeout), server, server_counters(target))
+                                                        args.request_timeout), server, server_counters(target),
+                              list(tree_cpu(server)), threads)
                 check_same_kv(target, manager)
                 rows.append({"concurrency": level, "engine": eng, "http": http, "checks": checks(level, eng, http)})
     print()

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -341,7 +342,7 @@ def _threads_at_nice(nice: int) -> set[int]:
     out = set()
     for tid in os.listdir("/proc/self/task"):
         try:
-            stat = open(f"/proc/self/task/{tid}/stat").read()
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
         except OSError:  # the thread ended meanwhile
             continue
         if int(stat[stat.rindex(")") + 2:].split()[16]) == nice:

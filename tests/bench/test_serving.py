@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,38 @@ def test_engine_share_and_the_rounds_summary() -> None:
     line = serving.level_summary(32, [{"throughput_ratio": 0.8, "itl_ratio": 1.2},
                                       {"throughput_ratio": 1.0, "itl_ratio": None}])
     assert "mean 0.90 (min 0.80, max 1.00)" in line and "ITL p50 http/engine mean 1.20" in line
+
+
+def test_the_engine_teams_preemptions() -> None:
+    before = {(1, 10): (5.0, 100), (1, 11): (4.0, 50), (1, 12): (0.1, 900)}
+    after = {(1, 10): (15.0, 300), (1, 11): (13.0, 150), (1, 12): (0.3, 5900), (1, 13): (0.1, 7)}
+    # The two threads that used the most CPU (10 and 9 s): 200 and 100 preemptions in 10 s.
+    assert serving.team_preemptions(before, after, wall=10.0, threads=2) == 15.0
+    assert serving.team_preemptions(before, after, wall=10.0, threads=1) == 20.0
+    assert serving.team_preemptions({}, {}, wall=10.0, threads=2) is None
+    # This process's threads, from /proc: the busy one is found and its counters never go down.
+    stats0 = serving.thread_stats([os.getpid()])
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    stats1 = serving.thread_stats([os.getpid()])
+    assert (os.getpid(), threading.get_native_id()) in stats1
+    mine = stats1[(os.getpid(), threading.get_native_id())]
+    assert mine[0] - stats0[(os.getpid(), threading.get_native_id())][0] >= 0.2
+    assert all(after_[1] >= stats0[k][1] for k, after_ in stats1.items() if k in stats0)
+    # Preemptions only: a thread that sleeps 60 times gives its CPU up 60 times and is hardly preempted.
+    # It stays (waiting) while it is read: a finished thread leaves /proc.
+    done = threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(60):
+            time.sleep(0.001)
+        done.wait(10)
+
+    thread = threading.Thread(target=sleeper)
+    thread.start()
+    time.sleep(0.5)
+    preempted = serving.thread_stats([os.getpid()])[(os.getpid(), thread.native_id)][1]
+    done.set()
+    thread.join()
+    assert preempted < 30
