@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import free_port, start_local_ray, tiny_model_dir
+from tests.support.cluster import free_port, start_local_ray, throttled, tiny_model_dir
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -206,18 +206,22 @@ def test_request_path_runs_at_the_nodes_priority_and_the_rest_below(cluster: dic
     assert min(_niceness("ServeReplica:routed:StatsBoard")) > node
 
 
-def _niceness(title: str) -> set[int]:
-    """The niceness of the processes whose title (Ray's `ray::<actor class>`) starts with `title`."""
-    found = set()
+def _pids(title: str) -> list[int]:
+    """The processes whose title (Ray's `ray::<actor class>`) starts with `title`."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if cmdline.startswith(f"ray::{title}".encode()):
-                found.add(os.getpriority(os.PRIO_PROCESS, int(pid)))
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{title}".encode()):
+                found.append(int(pid))
         except OSError:  # gone meanwhile
             continue
     assert found, f"no process ray::{title}"
     return found
+
+
+def _niceness(title: str) -> set[int]:
+    """The niceness of the processes whose title starts with `title`."""
+    return {os.getpriority(os.PRIO_PROCESS, pid) for pid in _pids(title)}
 
 
 
@@ -425,43 +429,50 @@ def _open_stream(cluster: dict[str, Any], prompt: str, max_tokens: int) -> tuple
     return conn, resp.getheader("x-cbserve-replica")
 
 
+# On a fast machine a tiny model's 400-token stream had ended before the next request was routed
+# (a CI run): these tests run the worker replicas throttled, so the streams are outstanding throughout.
+WORKERS = "ServeReplica:routed:LLMWorker"
+
+
 def test_shared_prefix_follows_its_replica_while_load_is_within_the_bound(cluster: dict[str, Any]) -> None:
     """The `routed` app: 2 replicas, imbalance_threshold 1, so a prefix's replica takes it while
     its queue is below ceil(1.25 x (all outstanding + 1) / 2) + 1."""
     system = "the capital of france is paris and the sea is wide "  # three 16-char chunks
     owner = _replica_of(cluster, system + "zero")
-    # Two long requests sharing the prefix stay on its replica (2 < ceil(1.25 x 3 / 2) + 1 = 3)...
-    streams = [_open_stream(cluster, system + tail, 400) for tail in ("one", "two")]
-    try:
-        assert {replica for _, replica in streams} == {owner}
-        # ...so a short one with the prefix still goes there, though the other replica is idle,
-        assert {_replica_of(cluster, system + tail) for tail in ("three", "four")} == {owner}
-        # while a prompt shorter than one chunk (no key) goes to the less loaded of two replicas.
-        assert _replica_of(cluster, "hello world") != owner
-    finally:
-        for conn, _ in streams:
-            conn.close()
+    with throttled(_pids(WORKERS)):
+        # Two long requests sharing the prefix stay on its replica (2 < ceil(1.25 x 3 / 2) + 1 = 3)...
+        streams = [_open_stream(cluster, system + tail, 400) for tail in ("one", "two")]
+        try:
+            assert {replica for _, replica in streams} == {owner}
+            # ...so a short one with the prefix still goes there, though the other replica is idle,
+            assert {_replica_of(cluster, system + tail) for tail in ("three", "four")} == {owner}
+            # while a prompt shorter than one chunk (no key) goes to the less loaded of two replicas.
+            assert _replica_of(cluster, "hello world") != owner
+        finally:
+            for conn, _ in streams:
+                conn.close()
 
 
 def test_unequal_load_spreads_over_replicas(cluster: dict[str, Any]) -> None:
     """Short prompts go to the replica with fewer outstanding requests; a shared prefix stays on
     its replica until that one's queue reaches the bound, then goes to the next on its ring."""
     streams: list[tuple[http.client.HTTPConnection, str]] = []
-    try:
-        streams += [_open_stream(cluster, f"{i} short", 400) for i in range(2)]  # shorter than a chunk
-        assert streams[0][1] != streams[1][1]
-        for conn, _ in streams:
-            conn.close()
-        time.sleep(1.0)  # the cancelled requests leave the replicas' queues
-        shared = "a shared prefix that is long enough to hash twice over "
-        streams = [_open_stream(cluster, shared + str(i), 400) for i in range(6)]
-        owner = streams[0][1]
-        # 5 outstanding on the owner: 5 >= ceil(1.25 x 6 / 2) + 1 = 5, the 6th goes to the other.
-        assert [replica for _, replica in streams[:5]] == [owner] * 5
-        assert streams[5][1] != owner
-    finally:
-        for conn, _ in streams:
-            conn.close()
+    with throttled(_pids(WORKERS)):
+        try:
+            streams += [_open_stream(cluster, f"{i} short", 400) for i in range(2)]  # shorter than a chunk
+            assert streams[0][1] != streams[1][1]
+            for conn, _ in streams:
+                conn.close()
+            time.sleep(1.0)  # the cancelled requests leave the replicas' queues
+            shared = "a shared prefix that is long enough to hash twice over "
+            streams = [_open_stream(cluster, shared + str(i), 400) for i in range(6)]
+            owner = streams[0][1]
+            # 5 outstanding on the owner: 5 >= ceil(1.25 x 6 / 2) + 1 = 5, the 6th goes to the other.
+            assert [replica for _, replica in streams[:5]] == [owner] * 5
+            assert streams[5][1] != owner
+        finally:
+            for conn, _ in streams:
+                conn.close()
 
 
 def test_deleting_the_app_drains_in_flight_requests(cluster: dict[str, Any]) -> None:
