@@ -14,8 +14,8 @@ Per level and path: output tok/s (tokens of completed requests over the level's 
 TTFT and inter-token latency p50/p90 (the engine's inter-token gaps are its step times at that
 batch), CPU time per output token (this process and the server's process tree: what serving
 costs, which a shared machine disturbs less than the rates), how often the engine's threads were
-preempted (involuntary context switches a second of the busiest threads, its OpenMP team: served,
-each streamed chunk's wake-ups take cores from them), then the HTTP/engine ratios and the done-when checks of issue 21: HTTP tok/s >= 85% of
+preempted (involuntary context switches a second of the busiest threads, its OpenMP team), then the
+HTTP/engine ratios and the done-when checks of issue 21: HTTP tok/s >= 85% of
 the engine's, HTTP ITL p50 <= 1.3x the engine's step time, and at 1 client HTTP TTFT <= the
 engine's (the prefill time) + 50 ms. The machine's load average is printed with every phase.
 
