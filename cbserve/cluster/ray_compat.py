@@ -11,7 +11,12 @@ What is private, and why it is used:
 - `ray.serve._private.default_impl.add_grpc_address`, which Serve's proxy calls with `[::]:<port>`
   whatever `http_options.host` says (`gRPCOptions` has no host): `bind_grpc_to_host`, run in each
   proxy through Serve's `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` hook before its gRPC server
-  starts, binds it to `$CBSERVE_GRPC_HOST` instead (`proxy_env_vars` sets both). And the
+  starts, binds it to `$CBSERVE_GRPC_HOST` instead (`proxy_env_vars` sets both).
+- `ray.serve._private.haproxy.HAPROXY_CONFIG_TEMPLATE`: with Serve's HAProxy ingress
+  (`RAY_SERVE_ENABLE_HA_PROXY=1`, what `make serve` runs) HAProxy's stats page and Prometheus
+  frontend bind every interface whatever `http_options.host` says, and its admin socket is open to
+  every local user; `bind_haproxy_listeners_to_host`, the job's `worker_process_setup_hook` (run in
+  each of Ray's worker processes, the HAProxyManager actor's included), fixes the template. And the
   request id Serve gives each request (`x-request-id`), read from its request context.
 - Members of `RequestRouter` that `CompatRouter` reads or overrides: the replica queue-length
   cache and its probe (`_use_replica_queue_len_cache`, `_replica_queue_len_cache`,
@@ -51,6 +56,7 @@ PRIVATE_MEMBERS: list[tuple[str, str]] = [
     ("ray.serve._private.grpc_util", "start_grpc_server"),
     ("ray.serve._private.constants", "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"),
     ("ray.serve._private.http_util", "configure_http_middlewares"),  # calls the proxy callback
+    ("ray.serve._private.haproxy", "HAPROXY_CONFIG_TEMPLATE"),
     ("ray.serve.context", "_get_serve_request_context"),
     ("RequestRouter", "_use_replica_queue_len_cache"),
     ("RequestRouter", "_replica_queue_len_cache"),
@@ -82,6 +88,10 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 GRPC_HOST_ENV = "CBSERVE_GRPC_HOST"
 PROXY_CALLBACK = "cbserve.cluster.ray_compat.bind_grpc_to_host"
+# Serve's HAProxy ingress (Ray's documented high-throughput mode): HAProxy on each node answers
+# HTTP and gRPC and forwards them to the ingress replicas' own servers, with no Python proxy between.
+HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+SETUP_HOOK = "cbserve.cluster.ray_compat.bind_haproxy_listeners_to_host"
 
 
 def proxy_env_vars(host: str, max_message_bytes: int) -> dict[str, str]:
@@ -89,6 +99,33 @@ def proxy_env_vars(host: str, max_message_bytes: int) -> dict[str, str]:
     inherit): gRPC bound to `host` as HTTP is, and gRPC messages capped at `max_message_bytes`
     (Serve's default is 2 GiB; larger messages get RESOURCE_EXHAUSTED before they are buffered)."""
     return {PROXY_CALLBACK_ENV: PROXY_CALLBACK, GRPC_HOST_ENV: host, GRPC_MAX_MESSAGE_ENV: str(max_message_bytes)}
+
+
+def bind_haproxy_listeners_to_host() -> None:
+    """A worker process's setup hook: where Serve's HAProxy ingress is on, HAProxy's config is
+    rendered with `haproxy_template`'s fixes (its listeners on `$CBSERVE_GRPC_HOST`, the configured
+    host; its admin socket for Ray's user only)."""
+    host = os.environ.get(GRPC_HOST_ENV)
+    if not host or os.environ.get(HA_PROXY_ENV) != "1":
+        return
+    from ray.serve._private import haproxy
+
+    haproxy.HAPROXY_CONFIG_TEMPLATE = haproxy_template(haproxy.HAPROXY_CONFIG_TEMPLATE, host)
+
+
+def haproxy_template(template: str, host: str) -> str:
+    """Serve's HAProxy config template with its stats page and Prometheus frontend bound to `host`
+    (Serve binds them to every interface) and its admin socket mode 600 (Serve's is 666: any local
+    user could take replicas out). Raises when a line to fix is missing (another Ray), so that the
+    server does not start open."""
+    fixes = {"bind *:{{ config.stats_port }}": "bind " + host + ":{{ config.stats_port }}",
+             "bind :{{ config.metrics_port }}": "bind " + host + ":{{ config.metrics_port }}",
+             " mode 666 level admin": " mode 600 level admin"}
+    for old, new in fixes.items():
+        if old not in template:
+            raise RuntimeError(f"Serve's HAProxy template has no {old!r}: cannot make it {new!r}")
+        template = template.replace(old, new)
+    return template
 
 
 def grpc_address(host: str, address: str) -> str:

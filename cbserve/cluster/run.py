@@ -32,6 +32,7 @@ logger = logging.getLogger("cbserve.run")
 
 DEFAULT_CONFIG = "ray_config.yaml"
 BOARD, WORKER = "StatsBoard", "LLMWorker"
+INGRESSES = ("haproxy", "proxy")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,6 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--address", default=None,
                    help="a running Ray cluster (e.g. auto); default: start a Ray of our own, as a laptop's "
                         "`serve run` does")
+    p.add_argument("--ingress", choices=INGRESSES, default="haproxy",
+                   help="haproxy (default): Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1): HAProxy answers "
+                        "HTTP and gRPC and forwards each request to an ingress replica's own server; proxy: "
+                        "Serve's Python proxy between them. For the Ray this process starts; with --address, "
+                        "the cluster's environment decides")
     p.add_argument("--stop-timeout", type=float, default=5.0,
                    help="on Ctrl-C, wait at most this long for the streams' ends to go out")
     return p.parse_args(argv)
@@ -54,18 +60,26 @@ def _builder(import_path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def start(config: dict[str, Any], address: str | None) -> list[str]:
-    """Ray, Serve's proxies and every application of `config`; returns the applications' names."""
+def start(config: dict[str, Any], address: str | None, ingress: str = "haproxy") -> list[str]:
+    """Ray, Serve's ingress (`ingress`: HAProxy or Serve's proxy, see `--ingress`) and every
+    application of `config`; returns the applications' names."""
     import ray
     from ray import serve
     from ray.serve.schema import ServeDeploySchema
+
+    from cbserve.cluster.ray_compat import HA_PROXY_ENV, SETUP_HOOK
 
     schema = ServeDeploySchema.model_validate(config)
     if address is None:
         # The Ray started here runs every worker (proxy, replicas) at this process's priority, not
         # at nice 15 below Ray's own daemons (README, "Serving speed").
         os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(address=address or "local", namespace="serve")
+        # Set for the Ray started here (its processes inherit this environment), after this
+        # process has imported Serve: HAProxy takes the Python proxy's hop and CPU off each streamed
+        # token (README, "Serving speed").
+        os.environ[HA_PROXY_ENV] = "1" if ingress == "haproxy" else "0"
+    # The hook binds HAProxy's stats and metrics listeners to the configured host (ray_compat).
+    ray.init(address=address or "local", namespace="serve", runtime_env={"worker_process_setup_hook": SETUP_HOOK})
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
                 grpc_options=schema.grpc_options.model_dump(), controller_options=controller_options(config))
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     _stop_on_signals()
     apps: list[str] = [app.get("name", "default") for app in config.get("applications", [])]
     try:
-        start(config, args.address)
+        start(config, args.address, args.ingress)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

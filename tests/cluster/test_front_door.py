@@ -165,6 +165,20 @@ def test_grpc_bind_callback_replaces_serves_wildcard() -> None:
     assert ray_compat.bind_grpc_to_host() == [] and default_impl.add_grpc_address is serve_add  # unset: no change
 
 
+def test_haproxy_template_binds_its_listeners_to_the_host() -> None:
+    from ray.serve._private import haproxy_templates
+
+    from cbserve.cluster import ray_compat
+
+    serve = haproxy_templates.HAPROXY_CONFIG_TEMPLATE  # Ray's own, as the HAProxyManager renders it
+    fixed = ray_compat.haproxy_template(serve, "10.1.2.3")
+    assert "bind *:" not in fixed and "\n    bind :" not in fixed and "mode 666" not in fixed
+    assert "bind 10.1.2.3:{{ config.stats_port }}" in fixed and "bind 10.1.2.3:{{ config.metrics_port }}" in fixed
+    assert "mode 600 level admin" in fixed
+    with pytest.raises(RuntimeError, match="stats_port"):  # another Ray's template: refuse to start open
+        ray_compat.haproxy_template(serve.replace("bind *:{{ config.stats_port }}", "bind *:8404"), "10.1.2.3")
+
+
 def test_run_passes_the_proxy_environment() -> None:
     from cbserve.cluster import ray_compat
     from cbserve.cluster.run import controller_options
@@ -177,6 +191,31 @@ def test_run_passes_the_proxy_environment() -> None:
     env = controller_options({"controller_options": own, "applications": apps})["runtime_env"]["env_vars"]
     assert env[ray_compat.GRPC_MAX_MESSAGE_ENV] == "2048" and env["OTHER"] == "1"
     assert env[ray_compat.GRPC_HOST_ENV] == "0.0.0.0"  # Serve's schema default: gRPC binds where HTTP does
+
+
+def test_run_switches_serves_ingress_for_the_ray_it_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import ray
+
+    from cbserve.cluster import ray_compat, run
+
+    class Started(Exception):
+        pass
+
+    seen: list[tuple[str | None, Any]] = []
+
+    def init(**kwargs: Any) -> None:
+        seen.append((os.environ.get(ray_compat.HA_PROXY_ENV), kwargs["runtime_env"]))
+        raise Started
+
+    monkeypatch.setattr(ray, "init", init)
+    for name in (ray_compat.HA_PROXY_ENV, "RAY_worker_niceness"):
+        monkeypatch.setenv(name, "unset")  # restored afterwards
+    assert run.parse_args([]).ingress == "haproxy" and run.parse_args(["--ingress", "proxy"]).ingress == "proxy"
+    for ingress in ("haproxy", "proxy"):
+        with pytest.raises(Started):
+            run.start(_config(free_port(), free_port(), tmp_path), None, ingress)
+    hook = {"worker_process_setup_hook": ray_compat.SETUP_HOOK}
+    assert seen == [("1", hook), ("0", hook)]
 
 
 # ---- the app as `make serve` starts it ----------------------------------------------------------
@@ -201,9 +240,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from cbserve.cluster import run
 
     model_dir = tiny_model_dir(tmp_path_factory)
-    # run.start sets RAY_worker_niceness for the Ray it starts: removed afterwards with the rest,
-    # so that a later module's local Ray keeps Ray's default niceness (test_serve checks it).
-    added = [k for k in (*PROXY_PATIENCE, "RAY_worker_niceness") if k not in os.environ]
+    # run.start sets RAY_worker_niceness and Serve's HAProxy switch for the Ray it starts: removed
+    # afterwards with the rest, so that a later module's local Ray keeps Ray's defaults (test_serve
+    # checks the niceness).
+    added = [k for k in (*PROXY_PATIENCE, "RAY_worker_niceness", "RAY_SERVE_ENABLE_HA_PROXY") if k not in os.environ]
     os.environ.update({k: PROXY_PATIENCE[k] for k in added if k in PROXY_PATIENCE})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port, grpc_port = free_port(), free_port()
@@ -288,7 +328,11 @@ def test_nothing_of_ours_listens_beyond_the_configured_host(served: dict[str, An
     # server too (`[::]:0`, ray/serve/_private/replica.py). Our processes have nothing else.
     controller = [v for k, v in listeners.items() if "ray::ServeController" in k[1]]
     assert len(controller) == 1 and len([s for s in controller[0] if s[0] not in LOOPBACK]) == 1, controller
-    expected = {"ray::ProxyActor": 1, "ray::ServeReplica": 2}
+    # HAProxy (`make serve`'s ingress) answers HTTP and gRPC, and has its stats page and Prometheus
+    # frontend: every one on the host (ray_compat.haproxy_template).
+    haproxy = [v for k, v in listeners.items() if "haproxy" in k[1].split()[0]]
+    assert len(haproxy) == 1 and len(haproxy[0]) == 4 and {ip for ip, _ in haproxy[0]} <= LOOPBACK, haproxy
+    expected = {"ray::ProxyActor": 1, "ray::HAProxyManager": 1, "ray::ServeReplica": 2}
     seen = set()
     for proc, sockets in listeners.items():
         kind = next((k for k in expected if k in proc[1]), None)
