@@ -1,7 +1,7 @@
 """`python -m cbserve.cluster.run [ray_config.yaml]`: what `make serve` runs.
 
-Like `serve run ray_config.yaml` (a Ray of its own, Serve's proxies as the config says, each
-application built from its `import_path` and `args`, logs on the terminal), with a quick and
+Like `serve run ray_config.yaml` (a Ray of its own, each application built from its `import_path`
+and `args`, logs on the terminal), but through Serve's HAProxy ingress (`--ingress`), with a quick and
 explicit stop: on Ctrl-C (or SIGTERM) every stream in flight gets an explicit end (the error
 "the server is stopping ... retry it", then `data: [DONE]`; a waiting non-streaming request its
 503), and the whole server is gone within seconds, without tracebacks. `serve run` instead stops
