@@ -363,8 +363,9 @@ def _listeners_by_process() -> dict[tuple[int, str], list[tuple[str, int]]]:
     out: dict[tuple[int, str], list[tuple[str, int]]] = {}
     for conn in psutil.net_connections(kind="inet"):
         if conn.status == psutil.CONN_LISTEN and conn.pid:
-            try:
-                name = " ".join(psutil.Process(conn.pid).cmdline())[:60]
+            try:  # the executable's name first: a long path (HAProxy's in a venv) is cut at 60
+                proc = psutil.Process(conn.pid)
+                name = f"{proc.name()} {' '.join(proc.cmdline())[:60]}"
             except psutil.Error:
                 continue
             out.setdefault((conn.pid, name), []).append((conn.laddr.ip, conn.laddr.port))
@@ -388,7 +389,7 @@ def test_nothing_of_ours_listens_beyond_the_configured_host(served: dict[str, An
     assert len(controller) == 1 and len([s for s in controller[0] if s[0] not in LOOPBACK]) == 1, controller
     # HAProxy (`make serve`'s ingress) answers HTTP and gRPC, and has its stats page and Prometheus
     # frontend: every one on the host (ray_compat.haproxy_template).
-    haproxy = [v for k, v in listeners.items() if "haproxy" in k[1].split()[0]]
+    haproxy = [v for k, v in listeners.items() if k[1].split()[0] == "haproxy"]
     assert len(haproxy) == 1 and len(haproxy[0]) == 4 and {ip for ip, _ in haproxy[0]} <= LOOPBACK, haproxy
     expected = {"ray::ProxyActor": 1, "ray::HAProxyManager": 1, "ray::ServeReplica": 2}
     seen = set()
