@@ -15,7 +15,7 @@ What is private, and why it is used:
 - `ray.serve._private.haproxy.HAPROXY_CONFIG_TEMPLATE`: with Serve's HAProxy ingress
   (`RAY_SERVE_ENABLE_HA_PROXY=1`, what `make serve` runs) HAProxy's stats page and Prometheus
   frontend bind every interface whatever `http_options.host` says, and its admin socket is open to
-  every local user; `bind_haproxy_listeners_to_host`, the job's `worker_process_setup_hook` (run in
+  every local user; `harden_haproxy_config`, the job's `worker_process_setup_hook` (run in
   each of Ray's worker processes, the HAProxyManager actor's included), fixes the template. And the
   request id Serve gives each request (`x-request-id`), read from its request context.
 - Members of `RequestRouter` that `CompatRouter` reads or overrides: the replica queue-length
@@ -91,7 +91,7 @@ PROXY_CALLBACK = "cbserve.cluster.ray_compat.bind_grpc_to_host"
 # Serve's HAProxy ingress (Ray's documented high-throughput mode): HAProxy on each node answers
 # HTTP and gRPC and forwards them to the ingress replicas' own servers, with no Python proxy between.
 HA_PROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
-SETUP_HOOK = "cbserve.cluster.ray_compat.bind_haproxy_listeners_to_host"
+SETUP_HOOK = "cbserve.cluster.ray_compat.harden_haproxy_config"
 
 
 def proxy_env_vars(host: str, max_message_bytes: int) -> dict[str, str]:
@@ -101,7 +101,7 @@ def proxy_env_vars(host: str, max_message_bytes: int) -> dict[str, str]:
     return {PROXY_CALLBACK_ENV: PROXY_CALLBACK, GRPC_HOST_ENV: host, GRPC_MAX_MESSAGE_ENV: str(max_message_bytes)}
 
 
-def bind_haproxy_listeners_to_host() -> None:
+def harden_haproxy_config() -> None:
     """A worker process's setup hook: where Serve's HAProxy ingress is on, HAProxy's config is
     rendered with `haproxy_template`'s fixes (its listeners on `$CBSERVE_GRPC_HOST`, the configured
     host; its admin socket for Ray's user only)."""

@@ -87,14 +87,13 @@ def start(config: dict[str, Any], address: str | None, ingress: str = "haproxy")
         # The Ray started here runs every worker (proxy, replicas) at this process's priority, not
         # at nice 15 below Ray's own daemons (README, "Serving speed").
         os.environ.setdefault("RAY_worker_niceness", "0")
-        # Set for the Ray started here (its processes inherit this environment), after this
-        # process has imported Serve: HAProxy takes the Python proxy's hop and CPU off each streamed
-        # token (README, "Serving speed").
+        # For the Ray started here (its processes inherit this environment): HAProxy takes the
+        # Python proxy's hop and CPU off each streamed token (README, "Serving speed").
         os.environ[HA_PROXY_ENV] = "1" if ingress == "haproxy" else "0"
         if ingress == "haproxy":
             end_orphaned_haproxy()
             side_ports(schema.http_options.host)
-    # The hook binds HAProxy's stats and metrics listeners to the configured host (ray_compat).
+    # The hook binds HAProxy's stats and metrics to the configured host, its admin socket 0600 (ray_compat).
     ray.init(address=address or "local", namespace="serve", runtime_env={"worker_process_setup_hook": SETUP_HOOK})
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler would end the process at once
     serve.start(proxy_location=schema.proxy_location, http_options=schema.http_options.model_dump(),
