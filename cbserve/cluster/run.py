@@ -55,14 +55,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--address", default=None,
                    help="a running Ray cluster (e.g. auto); default: start a Ray of our own, as a laptop's "
                         "`serve run` does")
-    p.add_argument("--ingress", choices=INGRESSES, default="haproxy",
+    p.add_argument("--ingress", choices=INGRESSES, default=None,
                    help="haproxy (default): Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1): HAProxy answers "
                         "HTTP and gRPC and forwards each request to an ingress replica's own server; proxy: "
-                        "Serve's Python proxy between them. For the Ray this process starts; with --address, "
-                        "the cluster's environment decides")
+                        "Serve's Python proxy between them. Only for the Ray this process starts: with "
+                        "--address the cluster's environment decides, and --ingress is refused")
     p.add_argument("--stop-timeout", type=float, default=5.0,
                    help="on Ctrl-C, wait at most this long for the streams' ends to go out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.address is not None and args.ingress is not None:
+        p.error("--ingress: only for the Ray this process starts; with --address, set "
+                "RAY_SERVE_ENABLE_HA_PROXY in the cluster's environment instead")
+    args.ingress = args.ingress or "haproxy"
+    return args
 
 
 def _builder(import_path: str) -> Any:

@@ -211,6 +211,9 @@ def test_run_switches_serves_ingress_for_the_ray_it_starts(monkeypatch: pytest.M
     for name in (ray_compat.HA_PROXY_ENV, "RAY_worker_niceness"):
         monkeypatch.setenv(name, "unset")  # restored afterwards
     assert run.parse_args([]).ingress == "haproxy" and run.parse_args(["--ingress", "proxy"]).ingress == "proxy"
+    with pytest.raises(SystemExit):  # a running cluster's ingress is its environment's: not ignored, refused
+        run.parse_args(["--address", "auto", "--ingress", "proxy"])
+    assert run.parse_args(["--address", "auto"]).address == "auto"
     for ingress in ("haproxy", "proxy"):
         with pytest.raises(Started):
             run.start(_config(free_port(), free_port(), tmp_path), None, ingress)
