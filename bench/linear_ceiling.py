@@ -8,6 +8,10 @@ faster kernels or less overhead, only by fewer or cheaper FLOPs (other weights, 
 
     .venv/bin/python bench/linear_ceiling.py --workload mixed --dtypes bfloat16,float32 \\
         --peer bfloat16=330 --peer float32=182
+    .venv/bin/python bench/linear_ceiling.py --workload served --dtypes bfloat16 --peer bfloat16=505
+
+`served` is bench/peers.py's served load (every request --prompt-tokens -> --max-tokens): its ceiling
+does not depend on the number of clients, only on the prompt / output ratio.
 
 FLOPs: 2 per weight for every prompt and output token through the decoder's linears, plus the LM
 head for each output token (one logits row per generated token; prompts' other rows need none).
@@ -29,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # bench/common.py, beside this file
 
 
-def workload_tokens(name: str, seed: int) -> tuple[int, int]:
+def workload_tokens(name: str, seed: int, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a bench workload: its shapes do not depend on the ids."""
+    if name == "served":  # one request stands for all: the ratio is what counts
+        return prompt_tokens, max_tokens
     work = common.make_workload(name, list(range(1000)), None, seed)
     return sum(len(p) for p in work.prompts), sum(work.lengths)
 
@@ -77,7 +83,10 @@ def best_rate(config, dtype: torch.dtype, rows_list: list[int], repeat: int) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="mixed", choices=[w for w in common.WORKLOADS if w not in ("copy", "shared")])
+    p.add_argument("--workload", default="mixed", 
+                   choices=[w for w in common.WORKLOADS if w not in ("copy", "shared")] + ["served"])
+    p.add_argument("--prompt-tokens", type=int, default=256, help="the served workload's prompt length")
+    p.add_argument("--max-tokens", type=int, default=128, help="the served workload's output length")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rows", default="1,8,32,64,128,256,512,2048", help="row counts the rate is measured at")
     p.add_argument("--repeat", type=int, default=3)
@@ -92,7 +101,7 @@ def main() -> None:
     from cbserve.models import checkpoint_folder
 
     config = AutoConfig.from_pretrained(str(checkpoint_folder(args.model)), local_files_only=True)
-    prompt, output = workload_tokens(args.workload, args.seed)
+    prompt, output = workload_tokens(args.workload, args.seed, args.prompt_tokens, args.max_tokens)
     layer_weights, head_weights = linear_weights(config)
     flops = 2 * (layer_weights * (prompt + output) + head_weights * output)
     peers = {d: float(v) for d, v in (s.split("=", 1) for s in args.peer)}

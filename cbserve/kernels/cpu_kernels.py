@@ -102,9 +102,10 @@ def load() -> None:
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """key/value ``[T, kvH, D]`` into the pages at `slot_mapping` ``[T]`` (no padding slots on a CPU)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    """key/value ``[T, kvH, D]`` into the pages at `slot_mapping` ``[T]``, slot -1 skipped like
+    `reference.store_kv`: a row copy per token in C++ (ATen's `index_copy_` moves one value at a time)."""
+    load()
+    torch.ops.cbserve_cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(

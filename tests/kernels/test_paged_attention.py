@@ -329,6 +329,41 @@ def test_cpu_decode_matches_reference(case: tuple, many: bool) -> None:
     torch.testing.assert_close(got, want, **tol)
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_store_kv_skips_padding(dtype: torch.dtype) -> None:
+    _check_store_kv(cpu_kernels.store_kv, dtype)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("tokens", [3, 2048], ids=["decode-rows", "prefill-split-over-threads"])
+def test_cpu_store_kv_of_fused_qkv_rows(tokens: int) -> None:
+    """K/V as the lean forward hands them (views into the [T, (H + 2 kvH) D] QKV rows), int32 slots:
+    the C++ row copies put every token where the reference puts it, and touch nothing else."""
+    gen = torch.Generator().manual_seed(1)
+    kvh, d, page = 3, 64, 16
+    k_cache = torch.randn(300, page, kvh, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(300, page, kvh, d, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(tokens, 9 * d + 2 * kvh * d, generator=gen).to(torch.bfloat16)
+    key = qkv[:, 9 * d : (9 + kvh) * d].view(tokens, kvh, d)
+    value = qkv[:, (9 + kvh) * d :].view(tokens, kvh, d)
+    slots = torch.randperm(300 * page, generator=gen)[:tokens].to(torch.int32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ref.store_kv(key, value, want_k, want_v, slots)
+    cpu_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("slot", [-2, 5 * 4 * 1])
+def test_cpu_store_kv_refuses_a_slot_outside_the_cache(slot: int) -> None:
+    k_cache, v_cache = torch.zeros(5, 4, 2, 8), torch.zeros(5, 4, 2, 8)
+    key = torch.ones(2, 2, 8)
+    with pytest.raises(RuntimeError, match=f"slot {slot} of token 1 is outside the cache's \\[0, 20\\)"):
+        cpu_kernels.store_kv(key, key, k_cache, v_cache, torch.tensor([3, slot]))
+    assert not k_cache.any() and not v_cache.any()  # checked before anything is written
+
+
 CPU_PATHS = ["generic", "avx2", "avx512", "avx512_bf16"]
 
 

@@ -1,7 +1,8 @@
 // Paged attention for CPUs, read straight from the pages through the block table (no gathered
 // copy): packed query rows of several requests (decode rows, prefill chunks, or both), each
 // causal over its request's cached tokens, GQA by reading each KV head once for its group of
-// query heads, optional sliding window and soft-capping.
+// query heads, optional sliding window and soft-capping. Also the store of a step's new K/V rows
+// into their pages (`store_kv`).
 //
 // One routine computes every query row, whatever the batch around it: the scores of the row's
 // visible positions in order, their maximum, exp and sum in order, then the probability-weighted
@@ -30,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -728,6 +730,56 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return paged_attention(q, k_cache, v_cache, cu, block_tables, context_lens, scale, window, softcap, isa);
 }
 
+// A step's new K/V rows into their cache slots: key / value [T, kvH, D] (any token stride: views
+// into the fused QKV rows), caches [blocks, page, kvH, D] contiguous, slot_mapping [T] (int32 /
+// int64; -1 skips a padding row). One memcpy per token and cache: ATen's index_copy_ walks the
+// values one at a time.
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "store_kv: key/value [T, kvH, D] and caches [blocks, page, kvH, D]");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              "store_kv: key/value heads or head_dim differ from the cache's");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "store_kv: dtypes differ");
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "store_kv: CPU tensors only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kv: contiguous caches");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == key.size(0) &&
+                  (slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt),
+              "store_kv: slot_mapping [T] int32 or int64");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < capacity, "store_kv: slot ", sp[t], " of token ", t,
+                " is outside the cache's [0, ", capacity, ") (-1: padding, skipped)");
+  }
+  // Each token's kvH x D values in one run (a head-major [kvH, T, D] view, as transformers' own
+  // attention hands them, is copied into that layout first).
+  const auto token_rows = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const at::Tensor k = token_rows(key), v = token_rows(value);
+  const int64_t bytes = k.size(1) * k.size(2) * static_cast<int64_t>(k.element_size());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  // Prefill-sized steps split over the threads; a decode step's few rows stay on this one.
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(2 * bytes, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t t = begin; t < end; ++t) {
+                       if (sp[t] < 0) continue;  // a padding row
+                       std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+                       std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+                     }
+                   });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cbserve_cpu, m) {
@@ -738,4 +790,6 @@ TORCH_LIBRARY(cbserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window, float softcap, str isa) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
 }
