@@ -18,8 +18,10 @@ _spec.loader.exec_module(ceiling)
 
 def test_token_counts_are_the_workloads() -> None:
     work = ceiling.common.make_workload("mixed", list(range(10, 500)), None, 0)
-    assert ceiling.workload_tokens("mixed", 0) == (sum(map(len, work.prompts)), sum(work.lengths))
-    assert ceiling.workload_tokens("decode", 0) == (128 * 16, 128 * 128)
+    assert ceiling.workload_tokens("mixed", 0, 256, 128) == (sum(map(len, work.prompts)), sum(work.lengths))
+    assert ceiling.workload_tokens("decode", 0, 256, 128) == (128 * 16, 128 * 128)
+    # bench/peers.py's served load: every request --prompt-tokens -> --max-tokens
+    assert ceiling.workload_tokens("served", 0, 300, 50) == (300, 50)
 
 
 def test_layer_shapes_are_the_fused_linears() -> None:
