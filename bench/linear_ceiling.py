@@ -83,7 +83,7 @@ def best_rate(config, dtype: torch.dtype, rows_list: list[int], repeat: int) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="mixed", 
+    p.add_argument("--workload", default="mixed",
                    choices=[w for w in common.WORKLOADS if w not in ("copy", "shared")] + ["served"])
     p.add_argument("--prompt-tokens", type=int, default=256, help="the served workload's prompt length")
     p.add_argument("--max-tokens", type=int, default=128, help="the served workload's output length")
