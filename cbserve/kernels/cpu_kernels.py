@@ -2,7 +2,8 @@
 decode rows and packed varlen rows, read straight from the pages; `csrc/prefill_attention_cpu.cpp`:
 prompts' rows in tiles, not batch-invariant), linear layers on
 panel-packed weights (`csrc/linear_cpu.cpp`; used by `packed_linear.py`), the fused elementwise
-parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`) and the LoRA
+parts of a Llama decoder layer (`csrc/layer_ops_cpu.cpp`; used by `llama_forward.py`), a decode
+step's decoder layers as one call of those kernels (`csrc/decoder_layers_cpu.cpp`) and the LoRA
 deltas of rows of different adapters (`csrc/lora_cpu.cpp`; used by `lora.py`).
 
 Each kernel has one path per instruction set (AVX2, AVX-512, AVX-512 BF16; `cpu_isa.py`), each
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "linear_cpu.cpp", "layer_ops_cpu.cpp",
-    "quant_linear_cpu.cpp", "lora_cpu.cpp")]
+    "quant_linear_cpu.cpp", "lora_cpu.cpp", "decoder_layers_cpu.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("vector_paths.h", "exp_vector.h", "task_queue.h")]  # included by sources: in the build's digest too
 # No -march=native: every instruction-set path carries its own target attributes, and the generic
 # code must run on any x86-64 CPU. OpenMP: ATen's parallel_for.

@@ -133,6 +133,11 @@ class PackedLinear(torch.nn.Module):
     def _cpp_runs(self, x: torch.Tensor) -> bool:
         return self.packed is not None and (self.onednn_from is None or x.numel() < self.onednn_from * self.in_features)
 
+    def cpp_runs_rows(self, rows: int) -> bool:
+        """`rows` rows go through the C++ kernel (as `forward` on them would)."""
+        return self.packed is not None and (self.onednn_from is None
+                                            or rows * self.in_features < self.onednn_from * self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpp_runs(x):
             y = torch.ops.cbserve_cpu.packed_linear(x, self.packed, self.bias, self.out_features, self.isa)

@@ -455,6 +455,19 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::s
 
 }  // namespace
 
+// For decoder_layers_cpu.cpp's layer loop.
+namespace cbserve_layer {
+at::Tensor add_rms_norm(const std::optional<at::Tensor>& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                        const std::string& isa) {
+  return ::add_rms_norm_(x, residual, weight, eps, isa);
+}
+void rope(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t d,
+          const std::string& isa) {
+  ::rope_(qkv, cos, sin, heads, d, isa);
+}
+at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) { return ::silu_mul(gate_up, isa); }
+}  // namespace cbserve_layer
+
 // silu_mul's avx512 rows for other kernels (linear_cpu.cpp's gate/up epilogue): `rows` rows of
 // [gate n | up n] at a stride of `ld_in` values, into rows of n at a stride of `ld_out`.
 namespace cbserve_silu {

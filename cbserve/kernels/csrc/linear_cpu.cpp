@@ -502,6 +502,16 @@ at::Tensor packed_gate_up_silu(const at::Tensor& input, const at::Tensor& packed
 
 }  // namespace
 
+// For decoder_layers_cpu.cpp's layer loop.
+namespace cbserve_layer {
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features, const std::string& isa) {
+  return ::packed_linear(input, packed, std::nullopt, out_features, isa);
+}
+at::Tensor gate_up_silu(const at::Tensor& input, const at::Tensor& packed, int64_t intermediate, const std::string& isa) {
+  return ::packed_gate_up_silu(input, packed, intermediate, isa);
+}
+}  // namespace cbserve_layer
+
 TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("linear_isa_available(str isa) -> bool", &isa_available);
   m.def("pack_linear_weight(Tensor weight, str isa) -> Tensor", &pack_linear_weight);

@@ -782,6 +782,19 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 
 }  // namespace
 
+// For decoder_layers_cpu.cpp's layer loop.
+namespace cbserve_layer {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, const std::string& isa) {
+  return ::paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale, 0, 0.0, isa);
+}
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  ::store_kv(key, value, k_cache, v_cache, slot_mapping);
+}
+}  // namespace cbserve_layer
+
 TORCH_LIBRARY(cbserve_cpu, m) {
   m.def("attention_isa_available(str isa) -> bool", &attention_isa_available);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor block_tables, "
