@@ -10,17 +10,18 @@ counts of decode steps on a CPU each costs more in dispatch than in arithmetic. 
   gate/up with silu(gate) * up in the GEMM's epilogue where the C++ kernel has one (AVX-512 paths);
 - attention through the engine's paged attention function, called as transformers calls it.
 
-A decode-only step on the C++ kernels (packed projections, the ``cpu`` attention backend) runs all
-of that as one call, `llama_decode_layers` (`csrc/decoder_layers_cpu.cpp`): the same kernels in the
-same order, so the same numbers, without ~17 Python calls a layer (the default model, bfloat16: a
-decode step ~1 ms shorter; the mixed workload +2-3%) and without the GIL between them.
+A decode step on the C++ kernels (packed projections, the ``cpu`` attention backend) runs all of
+that as one call, `llama_layers` (`csrc/decoder_layers_cpu.cpp`): the same kernels in the same order,
+so the same numbers, without ~17 Python calls a layer (a decode step ~1 ms shorter) and without the
+GIL between them. Prompt steps keep the loop: run as one call too they were no faster offline, and
+served at 32 clients slower in the one round measured (README, Benchmarks, session 23).
 
 Other dtypes (float64 in the exactness tests) or a CPU without the C++ kernels: the same steps with
 transformers' own norm, rotary and activation functions. Only plain `LlamaForCausalLM`s on a CPU
 (exact module types, SiLU, no hooks but transformers' inactive output-capture ones: tensor
 parallelism's all-reduce hooks keep their forward);
 anything else keeps transformers' forward. `$CBSERVE_LEAN_FORWARD=0` turns it off and
-`$CBSERVE_DECODE_ONE_CALL=0` the one call (A/B benchmarks).
+`$CBSERVE_LAYERS_ONE_CALL=0` the one call (A/B benchmarks).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from cbserve.kernels import cpu_isa, cpu_kernels, packed_linear, paged_attention
 
 ENV = "CBSERVE_LEAN_FORWARD"
-ONE_CALL_ENV = "CBSERVE_DECODE_ONE_CALL"  # 0: decode steps run the per-op loop too (A/B benchmarks)
+ONE_CALL_ENV = "CBSERVE_LAYERS_ONE_CALL"  # 0: decode steps run the per-op loop too (A/B benchmarks)
 # The attention kernels the one call runs itself: a backend holding anything else keeps the loop.
 ONE_CALL_ATTENTION = (cpu_kernels.paged_decode_attention, cpu_kernels.store_kv)
 QKV, GATE_UP = "cb_qkv_proj", "cb_gate_up_proj"
@@ -121,7 +122,7 @@ class LlamaForward:
         rotary = (cos[0].contiguous(), sin[0].contiguous()) if self.cpp else (cos, sin)
         one_call = self.one_call_args(meta, residual.shape[1]) if self.one_call else None
         if one_call is not None:
-            out = torch.ops.cbserve_cpu.llama_decode_layers(residual, *rotary, *one_call)
+            out = torch.ops.cbserve_cpu.llama_layers(residual, *rotary, *one_call)
         else:
             out = None
             for layer in inner.layers:
@@ -134,9 +135,9 @@ class LlamaForward:
         return linear(self.model.lm_head, x[:, kwargs["logits_to_keep"]]), hidden
 
     def one_call_args(self, meta, rows: int) -> tuple | None:
-        """The arguments after the residual and rotary tables of `llama_decode_layers`
-        (`csrc/decoder_layers_cpu.cpp`: this loop's kernels in one call) for a decode-only step on the
-        C++ attention kernels whose every layer this loop would run through the C++ kernels; else None.
+        """The arguments after the residual and rotary tables of `llama_layers`
+        (`csrc/decoder_layers_cpu.cpp`: this loop's kernels in one call) for a decode-only step on the C++
+        attention kernels whose every layer this loop would run through the C++ kernels; else None.
         Read at each step: the projections are swapped when the model is given back and taken again."""
         ki = meta.kernel_inputs
         if (ki is None or not ki.decode_only or meta.slot_mapping.numel() != rows
@@ -160,8 +161,9 @@ class LlamaForward:
         config = self.model.config
         sizes = [self.heads, self.kv_heads, self.head_dim, config.hidden_size, config.intermediate_size,
                  int(epilogues.pop())]
-        return (norms, packed, meta.k_caches, meta.v_caches, ki.block_tables, ki.context_lens, meta.slot_mapping,
-                sizes, float(eps.pop()), float(scales.pop()), isas.pop(), self.isa, cpu_isa.selected())
+        return (norms, packed, meta.k_caches, meta.v_caches, ki.cu_seqlens_q, ki.block_tables, ki.context_lens,
+                meta.slot_mapping, sizes, float(eps.pop()), float(scales.pop()), isas.pop(), self.isa,
+                cpu_isa.selected())
 
     def norm(self, norm: torch.nn.Module, x: torch.Tensor | None, residual: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:

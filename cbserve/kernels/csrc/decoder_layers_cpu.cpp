@@ -1,8 +1,8 @@
-// A Llama model's decoder layers for a decode-only step as one op: the kernels llama_forward.py's
-// lean forward calls, in its order and on the same views, so the same numbers bit for bit, without
-// its ~17 Python calls a layer (1-32 decode rows of the default model: ~1.5 ms a step of Python
-// and dispatch) and without holding the GIL between them, so a serving thread's Python (SSE,
-// detokenizing) neither waits for the step's glue nor delays it.
+// A Llama model's decoder layers for a decode step on the C++ attention kernels as one op: the kernels
+// llama_forward.py's lean forward calls, in its order and on the same views, so the same numbers
+// bit for bit, without its ~17 Python calls a layer (1-32 decode rows of the default model: ~1 ms a
+// step of Python and dispatch) and without holding the GIL between them, so a serving thread's
+// Python (SSE, detokenizing, Ray's own threads) neither waits for the step's glue nor delays it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -31,28 +31,28 @@ namespace {
 // norms[2l + 1] (input / post-attention RMSNorm weights), packed[4l..4l + 3] (q/k/v fused, o,
 // gate/up fused, down; no biases); sizes: heads, kv_heads, head_dim, hidden, intermediate, and
 // 1 when gate/up's weights are packed for the silu epilogue (AVX-512 paths), else 0 (silu_mul
-// after the GEMM). One query row per request (block_tables [T, pages], context_lens [T]).
-at::Tensor llama_decode_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin,
-                               at::TensorList norms, at::TensorList packed, at::TensorList k_caches,
-                               at::TensorList v_caches, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, const at::Tensor& slot_mapping, at::IntArrayRef sizes,
-                               double eps, double scale, const std::string& linear_isa, const std::string& layer_isa,
-                               const std::string& attention_isa) {
+// after the GEMM). Request b owns the query rows cu_seqlens_q[b]..cu_seqlens_q[b + 1] (the kernel
+// backend's inputs: one row each in a decode step), attended by the per-row kernel (paged_attention).
+at::Tensor llama_layers(at::Tensor& residual, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
+                        at::TensorList packed, at::TensorList k_caches, at::TensorList v_caches,
+                        const at::Tensor& cu_seqlens_q, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        const at::Tensor& slot_mapping, at::IntArrayRef sizes, double eps, double scale,
+                        const std::string& linear_isa, const std::string& layer_isa,
+                        const std::string& attention_isa) {
   TORCH_CHECK(sizes.size() == 6,
-              "llama_decode_layers: sizes are heads, kv_heads, head_dim, hidden, intermediate, silu epilogue");
+              "llama_layers: sizes are heads, kv_heads, head_dim, hidden, intermediate, silu epilogue");
   const int64_t heads = sizes[0], kv_heads = sizes[1], d = sizes[2], hidden = sizes[3], intermediate = sizes[4];
   const bool epilogue = sizes[5] != 0;
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(packed.size()) == 4 * layers,
-              "llama_decode_layers: 2 norms, 4 packed weights and a K and a V cache per layer");
+              "llama_layers: 2 norms, 4 packed weights and a K and a V cache per layer");
   TORCH_CHECK(residual.dim() == 3 && residual.size(0) == 1 && residual.size(2) == hidden,
-              "llama_decode_layers: residual [1, T, hidden]");
+              "llama_layers: residual [1, T, hidden]");
   const int64_t t = residual.size(1);
-  TORCH_CHECK(slot_mapping.numel() == t && block_tables.dim() == 2 && block_tables.size(0) == t &&
-                  context_lens.numel() == t,
-              "llama_decode_layers: one decode row per request, each with a slot");
-  const at::Tensor cu_seqlens_q = at::arange(t + 1, at::TensorOptions().dtype(at::kLong));  // as paged_decode
+  TORCH_CHECK(slot_mapping.numel() == t && block_tables.dim() == 2 && cu_seqlens_q.numel() == block_tables.size(0) + 1 &&
+                  context_lens.numel() == block_tables.size(0),
+              "llama_layers: a slot per row, a block table row, context length and query range per request");
   std::optional<at::Tensor> out;
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor x = cbserve_layer::add_rms_norm(out, residual, norms[2 * l], eps, layer_isa);
@@ -81,8 +81,9 @@ at::Tensor llama_decode_layers(at::Tensor& residual, const at::Tensor& cos, cons
 
 TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   // The caches are written (each step's K/V rows) as the residual is.
-  m.def("llama_decode_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, "
-        "Tensor[] k_caches, Tensor[] v_caches, Tensor block_tables, Tensor context_lens, Tensor slot_mapping, "
-        "int[] sizes, float eps, float scale, str linear_isa, str layer_isa, str attention_isa) -> Tensor",
-        &llama_decode_layers);
+  m.def("llama_layers(Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, "
+        "Tensor[] k_caches, Tensor[] v_caches, Tensor cu_seqlens_q, Tensor block_tables, Tensor context_lens, "
+        "Tensor slot_mapping, int[] sizes, float eps, float scale, str linear_isa, str layer_isa, "
+        "str attention_isa) -> Tensor",
+        &llama_layers);
 }

@@ -1,7 +1,7 @@
-"""A decode-only step's decoder layers as one C++ call (`csrc/decoder_layers_cpu.cpp`, chosen by
+"""A decode step's decoder layers as one C++ call (`csrc/decoder_layers_cpu.cpp`, chosen by
 `LlamaForward.one_call_args`): the same tokens and logprobs, bit for bit, as the lean forward's
-per-op loop on every path this CPU has, the steps it takes and leaves, and that a wrong argument
-is caught."""
+per-op loop on every path this CPU has, the steps and setups that keep the loop, and that a wrong
+argument is caught."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_a_wrong_argument_is_caught(monkeypatch) -> None:
     """The comparison above fails when the one call is given a slightly different attention scale."""
     def corrupt(args):
         args = list(args)
-        args[9] *= 1.01  # scale
+        args[10] *= 1.01  # scale
         return tuple(args)
 
     loop, _ = generate(monkeypatch, torch.float32, one_call=False)
