@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from cbserve.kernels import cpu_isa, cpu_kernels, packed_linear, paged_attention
+from cbserve.kernels import cpu_isa, cpu_kernels, paged_attention
 
 ENV = "CBSERVE_LEAN_FORWARD"
 ONE_CALL_ENV = "CBSERVE_LAYERS_ONE_CALL"  # 0: decode steps run the per-op loop too (A/B benchmarks)
@@ -86,9 +86,10 @@ def fused_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, tup
 
 
 def _packed_cpp(module: torch.nn.Module | None, rows: int) -> bool:
-    """`module` runs `rows` rows through the C++ linear kernel, without a bias."""
-    return (type(module) is packed_linear.PackedLinear and module.bias is None
-            and module.cpp_runs_rows(rows))
+    """`module` is a `packed_linear.PackedLinear` (not imported: it imports this module) running
+    `rows` rows through the C++ linear kernel, without a bias."""
+    runs = getattr(module, "cpp_runs_rows", None)
+    return runs is not None and module.bias is None and runs(rows)
 
 
 def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
