@@ -135,8 +135,7 @@ class PackedLinear(torch.nn.Module):
 
     def cpp_runs_rows(self, rows: int) -> bool:
         """`rows` rows go through the C++ kernel (as `forward` on them would)."""
-        return self.packed is not None and (self.onednn_from is None
-                                            or rows * self.in_features < self.onednn_from * self.in_features)
+        return self.packed is not None and (self.onednn_from is None or rows < self.onednn_from)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpp_runs(x):
