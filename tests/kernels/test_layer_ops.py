@@ -82,6 +82,21 @@ def test_silu_mul_matches_silu_times_up(isa: str, dtype: torch.dtype, rows: int)
     close(cpu_kernels.silu_mul(gate_up, isa), torch.nn.functional.silu(gate) * up, dtype)
 
 
+@pytest.mark.skipif(not cpu_isa.cpu_supports("avx512"), reason="no avx512 here: only one vector silu path to compare")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_avx512_intrinsics_give_the_vector_paths_bits(dtype: torch.dtype) -> None:
+    # The avx512 row is written in intrinsics, the avx2 one in GCC vector types: the same arithmetic,
+    # so the same bits (bfloat16: also the generic row's), tails of the row included.
+    torch.manual_seed(1)
+    gate_up = (torch.randn(9, 2 * 1541) * 6).to(dtype)
+    gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -88.5, float("nan")])
+    mine = cpu_kernels.silu_mul(gate_up, "avx512")
+    assert torch.equal(mine.nan_to_num(7.0), cpu_kernels.silu_mul(gate_up, "avx2").nan_to_num(7.0))
+    assert torch.isnan(mine[0, 4])
+    if dtype == torch.bfloat16:
+        assert torch.equal(mine.nan_to_num(7.0), cpu_kernels.silu_mul(gate_up, "generic").nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("vocab", [5, 49_152, 151_937])
 def test_greedy_is_torchs_argmax_with_its_logprob(isa: str, vocab: int) -> None:

@@ -17,8 +17,8 @@
 // Paths (the `isa` argument, cpu_isa.py): "generic" (plain C++), "avx2" (compiled for AVX2 + FMA)
 // and "avx512" (AVX-512 F/BW/VL/DQ; "avx512_bf16" runs it too): rope vectorized by the compiler
 // for AVX2 (both paths), RMSNorm and silu written 8 (avx2) or 16 (avx512) values at a time in GCC vector types (the
-// compiler left them scalar: 5x slower on 2,048-row prefill steps; in bfloat16 the avx512 path's
-// silu is 2.2x the avx2 one's on 2,048 rows).
+// compiler left them scalar: 5x slower on 2,048-row prefill steps), the avx512 silu in intrinsics
+// (it also runs in the gate/up projection's epilogue, linear_cpu.cpp).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,6 +36,10 @@
 
 #include "task_queue.h"
 #include "vector_paths.h"
+
+#if CB_X86
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -303,8 +307,55 @@ CB_AVX512 void rms_row_avx512(const T* x, T* res, const T* w, T* out, int64_t n,
 }
 template <typename T>
 CB_AVX2 void silu_row_avx2(const T* gu, T* out, int64_t n) { silu_row_vec<T, 8>(gu, out, n); }
+// silu_row_vec<T, 16> in AVX-512 intrinsics: the same clamps, floor, polynomial, division and
+// roundings (the same bits), with floor as one roundscale and 2^n as one scalef, where GCC's vector
+// types built each from several instructions: 27 -> 20 cycles per 16 values (silu_mul on 2,048 x
+// 1,536 bfloat16, 0.88 -> 0.66 ms on two Zen 4 cores).
+CB_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+CB_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+CB_AVX512 inline __m512i bf16_bits(__m512 v) {  // nearest even in the low 16 bits; NaN -> 0x7fc0
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+CB_AVX512 inline __m512 round16(__m512 v, float) { return v; }
+CB_AVX512 inline __m512 round16(__m512 v, c10::BFloat16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+CB_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+CB_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+CB_AVX512 inline __m512 exp_poly16(__m512 x) {  // exp_poly, 16 lanes
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x));
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(1.9875691500E-4f), _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, fx);
+}
 template <typename T>
-CB_AVX512 void silu_row_avx512(const T* gu, T* out, int64_t n) { silu_row_vec<T, 16>(gu, out, n); }
+CB_AVX512 void silu_row_avx512(const T* gu, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gu + i);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16(out + i, _mm512_mul_ps(round16(s, T{}), load16(gu + n + i)));
+  }
+  for (; i < n; ++i) {
+    const float g = f32(gu[i]);
+    out[i] = static_cast<T>(rnd<T>(g / (1.0f + exp_poly(-g))) * f32(gu[n + i]));
+  }
+}
 CB_AVX2 bool greedy_row_avx2(const float* x, int64_t n, int64_t* token, float* logprob) {
   return greedy_row_vec<8>(x, n, token, logprob);
 }
