@@ -167,8 +167,9 @@ def tiled_prefill_attention(
 ) -> torch.Tensor:
     """`varlen_paged_attention`'s semantics, a prompt's rows in tiles (flash-attention style, see
     the C++ file): several times faster on prompts, but a row's sums depend on how its request's
-    rows were split, so not batch-invariant. bfloat16 on the avx512_bf16 path with a head
-    dimension the tiles take (`tiled_prefill_runs`); anything else goes to `varlen_paged_attention`."""
+    rows were split, so not batch-invariant. bfloat16 on the avx512_bf16 path, float32 on avx512 or
+    avx512_bf16, with a head dimension the tiles take (`tiled_prefill_runs`); anything else goes to
+    `varlen_paged_attention`."""
     isa = isa or cpu_isa.selected()
     if not tiled_prefill_runs(q.dtype, q.shape[-1], isa):
         return varlen_paged_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale,
@@ -183,8 +184,8 @@ def tiled_prefill_attention(
 def tiled_prefill_runs(dtype: torch.dtype, head_dim: int, isa: str) -> bool:
     """Whether `tiled_prefill_attention` has a path for these (else it runs the per-row routine)."""
     load()
-    return isa == "avx512_bf16" and torch.ops.cbserve_cpu.tiled_prefill_available(
-        str(dtype).removeprefix("torch."), head_dim)
+    isas = {torch.bfloat16: ("avx512_bf16",), torch.float32: ("avx512", "avx512_bf16")}.get(dtype, ())
+    return isa in isas and torch.ops.cbserve_cpu.tiled_prefill_available(str(dtype).removeprefix("torch."), head_dim)
 
 
 def layer_ops_isa(isa: str | None = None) -> str:

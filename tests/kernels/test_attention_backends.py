@@ -335,17 +335,18 @@ def test_cuda_backends_with_real_graphs_equal_generate(backend: str, graphs: tup
 
 
 @pytest.mark.parametrize("amx", [True, False])
-@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512"])
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])
 def test_cpu_prefill_kernel_by_dtype_cpu_and_batch_invariance(amx: bool, isa: str, monkeypatch) -> None:
     """Prefill chunks: the per-row C++ kernel with batch_invariant=True; otherwise bfloat16 goes to
     SDPA on a CPU with AMX (its flash kernel multiplies on AMX tiles) and to the tiled C++ kernel
-    on the avx512_bf16 path; anything else to SDPA with batch_invariant=False, else the per-row
-    kernel. The CPU's flags are faked so that every rule is checked on every CPU."""
+    on the avx512_bf16 path, float32 to the tiled kernel on the AVX-512 paths; anything else to
+    SDPA with batch_invariant=False, else the per-row kernel. The CPU's flags are faked so that
+    every rule is checked on every CPU."""
     from cbserve.kernels import cpu_isa
 
     monkeypatch.setattr(cpu_isa, "has_amx_bf16", lambda: amx)
     monkeypatch.setattr(cpu_isa, "selected", lambda: isa)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
         for invariant in (None, True, False):
             got = attention_backends.kernels("cpu", invariant, dtype).varlen
             bf16 = dtype == torch.bfloat16
@@ -353,7 +354,7 @@ def test_cpu_prefill_kernel_by_dtype_cpu_and_batch_invariance(amx: bool, isa: st
                 want = cpu_kernels.varlen_paged_attention
             elif bf16 and amx:
                 want = None
-            elif bf16 and isa == "avx512_bf16":
+            elif (bf16 and isa == "avx512_bf16") or (dtype == torch.float32 and isa in ("avx512", "avx512_bf16")):
                 want = cpu_kernels.tiled_prefill_attention
             else:
                 want = None if invariant is False else cpu_kernels.varlen_paged_attention

@@ -2,8 +2,8 @@
 which runs the same kernels on a CPU) a request's tokens and log-probabilities are bitwise the same
 whatever else shares its batches: alone, first or last among others, with its prefill split into
 chunks next to other requests' decode rows, with its prefix served from the cache, in float32 and
-bfloat16. `batch_invariant=False` (SDPA for prefill chunks) is shown to differ, so the comparison
-has teeth."""
+bfloat16. `batch_invariant=False` (SDPA for prefill chunks on a path without the tiled kernel) is
+shown to differ, so the comparison has teeth."""
 
 from __future__ import annotations
 
@@ -90,10 +90,15 @@ def test_prefix_hits_happen() -> None:
     assert engine.scheduler.prefix_hit_tokens >= 32
 
 
-def test_the_speed_only_path_is_not_invariant() -> None:
-    """batch_invariant=False: prefill chunks go through SDPA (reduction order set by the chunk's
-    shape) and decode rows through the C++ kernel: the same request's log-probabilities move with
-    its batch, which the invariance test would catch."""
+def test_the_speed_only_path_is_not_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """batch_invariant=False on the avx2 path (forced: no tiled prefill kernel there): prefill chunks
+    go through SDPA (reduction order set by the chunk's shape) and decode rows through the C++
+    kernel: the same request's log-probabilities move with its batch, which the invariance test
+    would catch."""
+    if not cpu_isa.cpu_supports("avx2"):
+        pytest.skip("no avx2 here: the C++ kernels' paths need it for float32")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+    assert attention_backends.kernels("cpu", False, torch.float32).varlen is None  # SDPA
     model = tiny_model("llama", dtype=torch.float32)
     results = outcomes(model, invariant=False)
     alone = results["alone"][1]

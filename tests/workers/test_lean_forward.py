@@ -53,6 +53,28 @@ def test_lean_forward_equals_generate(dtype: torch.dtype, pack: bool | None, tol
 
 
 @needs_kernels
+def test_float32_prompts_through_the_tiled_prefill_kernel_equal_generate(monkeypatch) -> None:
+    """A head dimension the tiled prefill kernel takes (32): on a CPU with AVX-512 float32 prompt
+    chunks go through it (by default, batch_invariant=None), and tokens and logprobs still equal
+    `generate()`'s."""
+    from cbserve.kernels import cpu_isa
+
+    if not cpu_kernels.tiled_prefill_runs(torch.float32, 32, cpu_isa.selected()):
+        pytest.skip(f"no float32 tiled prefill path on the {cpu_isa.selected()} path (it needs AVX-512)")
+    calls = []
+    original = cpu_kernels.tiled_prefill_attention
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "tiled_prefill_attention", counted)
+    requests, refs, _ = run(tiny_model("llama", dtype=torch.float32, head_dim=32), config())
+    assert calls and max(calls) >= 40  # prompt chunks went through it
+    assert_matches_reference(requests, refs, tol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("op", ["add_rms_norm_", "rope_", "silu_mul"])
 def test_a_broken_op_is_caught(monkeypatch, op: str) -> None:
     owner = cpu_kernels

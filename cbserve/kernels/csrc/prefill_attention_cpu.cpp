@@ -7,11 +7,14 @@
 // row's result depends on how its request's rows were split into blocks: not batch-invariant (the
 // engine uses it only when batch_invariant is not True).
 //
-// Path: bfloat16 on AVX-512 BF16. q.k by `vdpbf16ps` on K transposed into dimension pairs per
-// block; the softmax in float32; p.v by `vdpbf16ps` on the probabilities rounded to bfloat16 (as
-// flash attention's second GEMM) and V interleaved by token pairs; the output rounded once. Requests
-// with fewer than TILE_MIN_ROWS query rows (decode rows riding in a prefill step) go through the
-// per-row routine (`cbserve_cpu::paged_attention`).
+// Paths:
+// - bfloat16 on AVX-512 BF16: q.k by `vdpbf16ps` on K transposed into dimension pairs per block;
+//   the softmax in float32; p.v by `vdpbf16ps` on the probabilities rounded to bfloat16 (as flash
+//   attention's second GEMM) and V interleaved by token pairs; the output rounded once.
+// - float32 on AVX-512: q.k by fused multiply-adds on K transposed per block (32 tokens per
+//   dimension); p.v on the probabilities in float32 and V rows read straight from their pages.
+// Requests with fewer than TILE_MIN_ROWS query rows (decode rows riding in a prefill step) go
+// through the per-row routine (`cbserve_cpu::paged_attention`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,6 +35,7 @@
 #include <immintrin.h>
 #define CB_X86 1
 #define CB_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define CB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #else
 #define CB_X86 0
 #endif
@@ -46,10 +50,10 @@ constexpr int64_t TILE_MIN_ROWS = 4;  // a request with fewer query rows: the pe
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 struct Shape {
-  const uint16_t* q;  // [T, H, D] bfloat16 bits
-  const uint16_t* k;  // [blocks, page, kvH, D]
-  const uint16_t* v;
-  uint16_t* out;
+  const void* q;  // [T, H, D]: bfloat16 bits or float32
+  const void* k;  // [blocks, page, kvH, D]
+  const void* v;
+  void* out;
   const int64_t* tables;
   int64_t width, page_size, heads, kv_heads, window;
   float scale, softcap;
@@ -69,6 +73,9 @@ struct Scratch {
   std::vector<uint16_t> p;      // [vectors][BLOCK_TOKENS]: probabilities in bfloat16
   std::vector<float> o;         // [vectors][D]: running weighted sums of V
   std::vector<float> top, sum;  // [vectors]: running maximum and sum of exponentials
+  // float32 path: its queries, K transposed [D][BLOCK_TOKENS], probabilities, the block's V rows.
+  std::vector<float> qf, ktf, pf;
+  const float* vrows[BLOCK_TOKENS];
 };
 
 #if CB_X86
@@ -187,46 +194,52 @@ CB_AVX512BF16 inline void load_block(const Shape& a, const int64_t* table, const
 
 // Scores of query vectors [m0, m1) against the block (tokens [t0, t0 + n)) become probabilities
 // under the running maximum; the running sums and the weighted sums of V are rescaled to it.
+// STORE_P(m, p0, p1) writes vector m's 32 probabilities (zeros for a block outside its window: P0
+// and P1 zero vectors): the body is shared by the paths, each compiled for its own target.
+#define CB_SOFTMAX_BLOCK(STORE_P)                                                                              \
+  constexpr int64_t dim = 16 * DV;                                                                             \
+  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(NEG_INF);                             \
+  for (int64_t m = m0; m < m1; ++m) {                                                                          \
+    float* s = w.s.data() + m * BLOCK_TOKENS;                                                                  \
+    const int64_t pos = t.p0 + m / group;                                                                      \
+    const int64_t hi = std::min(n, pos - t0 + 1), lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - t0) : 0; \
+    if (lo >= hi) { /* the block is outside this row's window */                                              \
+      STORE_P(m, _mm512_setzero_ps(), _mm512_setzero_ps())                                                     \
+      continue;                                                                                                \
+    }                                                                                                          \
+    const uint32_t bits = static_cast<uint32_t>(((uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1));      \
+    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s), scale), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), scale);  \
+    if (a.softcap > 0) {                                                                                       \
+      alignas(64) float buf[BLOCK_TOKENS];                                                                     \
+      _mm512_store_ps(buf, x0);                                                                                \
+      _mm512_store_ps(buf + 16, x1);                                                                           \
+      for (float& x : buf) x = a.softcap * std::tanh(x / a.softcap);                                           \
+      x0 = _mm512_load_ps(buf);                                                                                \
+      x1 = _mm512_load_ps(buf + 16);                                                                           \
+    }                                                                                                          \
+    x0 = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(bits), x0);                                        \
+    x1 = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(bits >> 16), x1);                                  \
+    const float top = std::max(w.top[m], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));                        \
+    const float alpha = std::exp(w.top[m] - top); /* 0 at the first block (-inf) */                            \
+    const __m512 tv = _mm512_set1_ps(top);                                                                     \
+    const __m512 p0 = exp_avx512(_mm512_sub_ps(x0, tv)), p1 = exp_avx512(_mm512_sub_ps(x1, tv));               \
+    STORE_P(m, p0, p1)                                                                                         \
+    w.sum[m] = w.sum[m] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));                                 \
+    w.top[m] = top;                                                                                            \
+    if (alpha != 1.0f) {                                                                                       \
+      float* o = w.o.data() + m * dim;                                                                         \
+      const __m512 av = _mm512_set1_ps(alpha);                                                                 \
+      _Pragma("GCC unroll 16") for (int i = 0; i < DV; ++i)                                                    \
+        _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), av));                          \
+    }                                                                                                          \
+  }
+
+#define CB_STORE_P_BF16(M, P0, P1) \
+  _mm512_storeu_si512(w.p.data() + (M) * BLOCK_TOKENS, (__m512i)_mm512_cvtne2ps_pbh(P1, P0));
 template <int DV>
 CB_AVX512BF16 inline void softmax_block(const Shape& a, const Task& t, int64_t group, int64_t m0, int64_t m1,
                                         int64_t t0, int64_t n, Scratch& w) {
-  constexpr int64_t dim = 16 * DV;
-  const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(NEG_INF);
-  for (int64_t m = m0; m < m1; ++m) {
-    float* s = w.s.data() + m * BLOCK_TOKENS;
-    const int64_t pos = t.p0 + m / group;
-    const int64_t hi = std::min(n, pos - t0 + 1), lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - t0) : 0;
-    uint16_t* p = w.p.data() + m * BLOCK_TOKENS;
-    if (lo >= hi) {  // the block is outside this row's window
-      std::fill(p, p + BLOCK_TOKENS, 0);
-      continue;
-    }
-    const uint32_t bits = static_cast<uint32_t>(((uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1));
-    __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s), scale), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), scale);
-    if (a.softcap > 0) {
-      alignas(64) float buf[BLOCK_TOKENS];
-      _mm512_store_ps(buf, x0);
-      _mm512_store_ps(buf + 16, x1);
-      for (float& x : buf) x = a.softcap * std::tanh(x / a.softcap);
-      x0 = _mm512_load_ps(buf);
-      x1 = _mm512_load_ps(buf + 16);
-    }
-    x0 = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(bits), x0);
-    x1 = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>(bits >> 16), x1);
-    const float top = std::max(w.top[m], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-    const float alpha = std::exp(w.top[m] - top);  // 0 at the first block (-inf)
-    const __m512 tv = _mm512_set1_ps(top);
-    const __m512 p0 = exp_avx512(_mm512_sub_ps(x0, tv)), p1 = exp_avx512(_mm512_sub_ps(x1, tv));
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    w.sum[m] = w.sum[m] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    w.top[m] = top;
-    if (alpha != 1.0f) {
-      float* o = w.o.data() + m * dim;
-      const __m512 av = _mm512_set1_ps(alpha);
-#pragma GCC unroll 16
-      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), av));
-    }
-  }
+  CB_SOFTMAX_BLOCK(CB_STORE_P_BF16)
 }
 
 template <int DV>
@@ -242,11 +255,12 @@ CB_AVX512BF16 __attribute__((flatten)) void run_task(const Shape& a, const Task&
   w.top.assign(vectors, NEG_INF);
   w.sum.assign(vectors, 0.0f);
   for (int64_t i = 0; i < rows; ++i) {
-    std::memcpy(w.q.data() + i * group * dim, a.q + ((t.r0 + i) * a.heads + t.g * group) * dim, group * dim * 2);
+    std::memcpy(w.q.data() + i * group * dim, static_cast<const uint16_t*>(a.q) + ((t.r0 + i) * a.heads + t.g * group) * dim,
+                group * dim * 2);
   }
   const int64_t* table = a.tables + t.request * a.width;
-  const uint16_t* k = a.k + t.g * dim;
-  const uint16_t* v = a.v + t.g * dim;
+  const uint16_t* k = static_cast<const uint16_t*>(a.k) + t.g * dim;
+  const uint16_t* v = static_cast<const uint16_t*>(a.v) + t.g * dim;
   const int64_t last = t.p0 + rows - 1, first = a.window > 0 ? std::max<int64_t>(0, t.p0 - a.window + 1) : 0;
   for (int64_t t0 = first; t0 <= last; t0 += BLOCK_TOKENS) {
     const int64_t n = std::min(BLOCK_TOKENS, last + 1 - t0);
@@ -262,7 +276,7 @@ CB_AVX512BF16 __attribute__((flatten)) void run_task(const Shape& a, const Task&
   }
   for (int64_t m = 0; m < vectors; ++m) {
     const __m512 inv = _mm512_set1_ps(1.0f / w.sum[m]);  // > 0: a row always sees its own position
-    uint16_t* dst = a.out + ((t.r0 + m / group) * a.heads + t.g * group + m % group) * dim;
+    uint16_t* dst = static_cast<uint16_t*>(a.out) + ((t.r0 + m / group) * a.heads + t.g * group + m % group) * dim;
 #pragma GCC unroll 16
     for (int i = 0; i < DV; ++i) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + m * dim + 16 * i), inv);
@@ -270,33 +284,186 @@ CB_AVX512BF16 __attribute__((flatten)) void run_task(const Shape& a, const Task&
     }
   }
 }
+
+// ------------------------------------------------------------------- float32 on AVX-512
+
+// s[r][0:32] = q_r . k_j for R query vectors against the block's 32 tokens (K: [D][32]).
+template <int R>
+CB_AVX512 inline void qk_tile_f32(const float* q, int64_t dim, const float* kt, float* s) {
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m512 w0 = _mm512_loadu_ps(kt + d * BLOCK_TOKENS), w1 = _mm512_loadu_ps(kt + d * BLOCK_TOKENS + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * dim + d]);
+      a0[r] = _mm512_fmadd_ps(x, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(x, w1, a1[r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * BLOCK_TOKENS, a0[r]);
+    _mm512_storeu_ps(s + r * BLOCK_TOKENS + 16, a1[r]);
+  }
+}
+
+CB_AVX512 inline void qk_f32(const float* q, int64_t vectors, int64_t dim, const float* kt, float* s) {
+  int64_t r = 0;
+  for (; r + 12 <= vectors; r += 12) qk_tile_f32<12>(q + r * dim, dim, kt, s + r * BLOCK_TOKENS);
+  const float* qr = q + r * dim;
+  float* sr = s + r * BLOCK_TOKENS;
+  switch (vectors - r) {
+#define CB_CASE(R) \
+  case R: return qk_tile_f32<R>(qr, dim, kt, sr);
+    CB_CASE(11) CB_CASE(10) CB_CASE(9) CB_CASE(8) CB_CASE(7) CB_CASE(6)
+    CB_CASE(5) CB_CASE(4) CB_CASE(3) CB_CASE(2) CB_CASE(1)
+#undef CB_CASE
+    default: break;
+  }
+}
+
+// o[r] += sum_j p[r][j] v_j for R query vectors over the block's first n tokens, D = 16 * DV.
+template <int DV, int R>
+CB_AVX512 inline void pv_tile_f32(const float* p, int64_t n, const float* const* vrows, float* o) {
+  constexpr int64_t dim = 16 * DV;
+  __m512 acc[R][DV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_loadu_ps(o + r * dim + 16 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vj[DV];
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) vj[i] = _mm512_loadu_ps(vrows[j] + 16 * i);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(p[r * BLOCK_TOKENS + j]);
+#pragma GCC unroll 16
+      for (int i = 0; i < DV; ++i) acc[r][i] = _mm512_fmadd_ps(x, vj[i], acc[r][i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(o + r * dim + 16 * i, acc[r][i]);
+}
+
+template <int DV>
+CB_AVX512 inline void pv_f32(const float* p, int64_t vectors, int64_t n, const float* const* vrows, float* o) {
+  constexpr int R = DV <= 2 ? 12 : DV == 4 ? 6 : DV == 8 ? 2 : 1;  // accumulators + V row: <= 32 registers
+  int64_t r = 0;
+  for (; r + R <= vectors; r += R) pv_tile_f32<DV, R>(p + r * BLOCK_TOKENS, n, vrows, o + r * 16 * DV);
+  for (; r < vectors; ++r) pv_tile_f32<DV, 1>(p + r * BLOCK_TOKENS, n, vrows, o + r * 16 * DV);
+}
+
+// The block's tokens [t0, t0 + n): K transposed (zero past n), and where each V row lives.
+template <int DV>
+CB_AVX512 inline void load_block_f32(const Shape& a, const int64_t* table, const float* k, const float* v, int64_t t0,
+                                     int64_t n, Scratch& w) {
+  constexpr int64_t dim = 16 * DV;
+  const int64_t kv_row = a.kv_heads * dim;
+  for (int64_t j = 0; j < BLOCK_TOKENS; ++j) {
+    if (j < n) {
+      const int64_t pos = t0 + j, slot = table[pos / a.page_size] * a.page_size + pos % a.page_size;
+      const float* kr = k + slot * kv_row;
+      for (int64_t d = 0; d < dim; ++d) w.ktf[d * BLOCK_TOKENS + j] = kr[d];
+      w.vrows[j] = v + slot * kv_row;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) w.ktf[d * BLOCK_TOKENS + j] = 0.0f;
+    }
+  }
+}
+
+#define CB_STORE_P_F32(M, P0, P1)                            \
+  _mm512_storeu_ps(w.pf.data() + (M) * BLOCK_TOKENS, P0);   \
+  _mm512_storeu_ps(w.pf.data() + (M) * BLOCK_TOKENS + 16, P1);
+template <int DV>
+CB_AVX512 inline void softmax_block_f32(const Shape& a, const Task& t, int64_t group, int64_t m0, int64_t m1,
+                                        int64_t t0, int64_t n, Scratch& w) {
+  CB_SOFTMAX_BLOCK(CB_STORE_P_F32)
+}
+
+template <int DV>
+CB_AVX512 __attribute__((flatten)) void run_task_f32(const Shape& a, const Task& t, Scratch& w) {
+  constexpr int64_t dim = 16 * DV;
+  const int64_t group = a.heads / a.kv_heads, rows = t.r1 - t.r0, vectors = rows * group;
+  w.qf.resize(vectors * dim);
+  w.ktf.resize(dim * BLOCK_TOKENS);
+  w.s.resize(vectors * BLOCK_TOKENS);
+  w.pf.resize(vectors * BLOCK_TOKENS);
+  w.o.assign(vectors * dim, 0.0f);
+  w.top.assign(vectors, NEG_INF);
+  w.sum.assign(vectors, 0.0f);
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(w.qf.data() + i * group * dim, static_cast<const float*>(a.q) + ((t.r0 + i) * a.heads + t.g * group) * dim,
+                group * dim * 4);
+  }
+  const int64_t* table = a.tables + t.request * a.width;
+  const float* k = static_cast<const float*>(a.k) + t.g * dim;
+  const float* v = static_cast<const float*>(a.v) + t.g * dim;
+  const int64_t last = t.p0 + rows - 1, first = a.window > 0 ? std::max<int64_t>(0, t.p0 - a.window + 1) : 0;
+  for (int64_t t0 = first; t0 <= last; t0 += BLOCK_TOKENS) {
+    const int64_t n = std::min(BLOCK_TOKENS, last + 1 - t0);
+    const int64_t i0 = std::max<int64_t>(0, t0 - t.p0);
+    const int64_t i1 = a.window > 0 ? std::min(rows, t0 + n - 1 + a.window - t.p0) : rows;
+    if (i0 >= i1) continue;
+    load_block_f32<DV>(a, table, k, v, t0, n, w);
+    const int64_t m0 = i0 * group, m1 = i1 * group;
+    qk_f32(w.qf.data() + m0 * dim, m1 - m0, dim, w.ktf.data(), w.s.data() + m0 * BLOCK_TOKENS);
+    softmax_block_f32<DV>(a, t, group, m0, m1, t0, n, w);
+    pv_f32<DV>(w.pf.data() + m0 * BLOCK_TOKENS, m1 - m0, n, w.vrows, w.o.data() + m0 * dim);
+  }
+  for (int64_t m = 0; m < vectors; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.0f / w.sum[m]);
+    float* dst = static_cast<float*>(a.out) + ((t.r0 + m / group) * a.heads + t.g * group + m % group) * dim;
+#pragma GCC unroll 16
+    for (int i = 0; i < DV; ++i) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + m * dim + 16 * i), inv));
+  }
+}
+#undef CB_SOFTMAX_BLOCK
+#undef CB_STORE_P_BF16
+#undef CB_STORE_P_F32
 #endif  // CB_X86
 
 using TaskFn = void (*)(const Shape&, const Task&, Scratch&);
 
-TaskFn task_fn(int64_t dim) {
+// The path's task routine for this dtype and head dimension, or nullptr.
+TaskFn task_fn(at::ScalarType dtype, int64_t dim) {
 #if CB_X86
+  const bool bf16 = dtype == at::kBFloat16;
+  if (dtype != at::kBFloat16 && dtype != at::kFloat) return nullptr;
   switch (dim) {
-    case 32: return run_task<2>;
-    case 64: return run_task<4>;
-    case 128: return run_task<8>;
-    case 256: return run_task<16>;
+    case 32: return bf16 ? run_task<2> : run_task_f32<2>;
+    case 64: return bf16 ? run_task<4> : run_task_f32<4>;
+    case 128: return bf16 ? run_task<8> : run_task_f32<8>;
+    case 256: return bf16 ? run_task<16> : run_task_f32<16>;
     default: break;
   }
 #endif
+  (void)dtype;
   (void)dim;
   return nullptr;
 }
 
-bool cpu_has_avx512_bf16() {
+bool cpu_has_avx512(bool bf16) {
 #if CB_X86
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+         (!bf16 || __builtin_cpu_supports("avx512bf16"));
 #else
+  (void)bf16;
   return false;
 #endif
+}
+
+// The path's instruction set: bfloat16 needs AVX-512 BF16 (isa avx512_bf16), float32 AVX-512
+// (isa avx512 or avx512_bf16).
+bool path_runs(at::ScalarType dtype, const std::string& isa) {
+  if (dtype == at::kBFloat16) return isa == "avx512_bf16" && cpu_has_avx512(true);
+  return dtype == at::kFloat && (isa == "avx512" || isa == "avx512_bf16") && cpu_has_avx512(false);
 }
 
 at::Tensor per_row(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu,
@@ -311,22 +478,25 @@ at::Tensor per_row(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 }
 
 bool tiled_prefill_available(const std::string& dtype, int64_t head_dim) {
-  return dtype == "bfloat16" && cpu_has_avx512_bf16() && task_fn(head_dim) != nullptr;
+  const at::ScalarType type = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float32" ? at::kFloat : at::kDouble;
+  return path_runs(type, type == at::kBFloat16 ? "avx512_bf16" : "avx512") && task_fn(type, head_dim) != nullptr;
 }
 
 // Same signature and semantics as paged_attention (packed query rows, cu_seqlens_q, block
-// tables); `isa` must be avx512_bf16 and the tensors bfloat16 with a head dimension of 32, 64,
-// 128 or 256 (tiled_prefill_available).
+// tables); bfloat16 tensors on the avx512_bf16 path or float32 ones on avx512 / avx512_bf16, with a
+// head dimension of 32, 64, 128 or 256 (tiled_prefill_available).
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& cu_seqlens_q, const at::Tensor& block_tables,
                                    const at::Tensor& context_lens, double scale, int64_t window, double softcap,
                                    const std::string& isa) {
-  TORCH_CHECK(isa == "avx512_bf16" && cpu_has_avx512_bf16(), "cbserve_cpu prefill attention: only the avx512_bf16 "
-              "path exists, on a CPU with AVX-512 BF16 (got isa '", isa, "')");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3), "q [T, H, D] and caches [blocks, page, kvH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-              v_cache.scalar_type() == at::kBFloat16, "cbserve_cpu prefill attention: bfloat16 tensors only");
-  const TaskFn run = task_fn(q.size(2));
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "cbserve_cpu prefill attention: q and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "cbserve_cpu prefill attention: bfloat16 or float32 tensors only");
+  TORCH_CHECK(path_runs(q.scalar_type(), isa), "cbserve_cpu prefill attention: bfloat16 runs on the avx512_bf16 path, "
+              "float32 on avx512 or avx512_bf16, on a CPU that has it (got isa '", isa, "')");
+  const TaskFn run = task_fn(q.scalar_type(), q.size(2));
   TORCH_CHECK(run != nullptr, "cbserve_cpu prefill attention: head dimension 32, 64, 128 or 256, got ", q.size(2));
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
@@ -372,8 +542,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   if (tasks.empty()) return out;
   // The longest first, then whoever is free takes the next: causal rows cost more the later they are.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
-  const Shape a{static_cast<const uint16_t*>(q.data_ptr()), static_cast<const uint16_t*>(k_cache.data_ptr()),
-                static_cast<const uint16_t*>(v_cache.data_ptr()), static_cast<uint16_t*>(out.data_ptr()),
+  const Shape a{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                 tables.data_ptr<int64_t>(), width, page_size, q.size(1), kv_heads, window,
                 static_cast<float>(scale), static_cast<float>(softcap)};
   std::atomic<int64_t> next{0};
