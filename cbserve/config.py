@@ -214,8 +214,8 @@ class ContinuousBatchingConfig(BaseModel):
         None, description="a request's tokens and logprobs bitwise identical whatever else shares its batches. "
         "True: guaranteed (the C++ CPU linear and attention kernels, whose per-row reduction order is fixed, for "
         "every layer and row; needs attention_backend auto or cpu, packed weights, no torch.compile); None: those "
-        "kernels for linears and decode rows, prefill chunks through the tiled C++ kernel (bfloat16 on AVX-512 BF16) "
-        "or SDPA (bfloat16 on AMX), not enforced; False: kernels chosen for speed alone (SDPA for prefill chunks "
+        "kernels for linears and decode rows, prefill chunks through the tiled C++ kernel (bfloat16 on AVX-512 BF16, "
+        "float32 on AVX-512) or SDPA (bfloat16 on AMX), not enforced; False: kernels chosen for speed alone (SDPA for prefill chunks "
         "where the tiled kernel does not run)"
     )
     node_kv_pool: str | None = Field(

@@ -220,11 +220,14 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     return torch.ops.cbserve_cpu.silu_mul(gate_up, layer_ops_isa(isa))
 
 
-def greedy(logits: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy(logits: torch.Tensor, isa: str | None = None,
+           logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row of ``logits`` ``[R, V]`` (float32): its argmax (the first index of the largest
-    value, as torch's) and that token's log-probability; ``(tokens int64 [R], logprobs [R])``."""
+    value, as torch's) and that token's log-probability; ``(tokens int64 [R], logprobs [R])``.
+    ``logprobs=False``: ``(tokens, None)``, without the pass of exponentials (most of the op's time)."""
     load()
-    return torch.ops.cbserve_cpu.greedy(logits, layer_ops_isa(isa))
+    tokens, chosen = torch.ops.cbserve_cpu.greedy(logits, layer_ops_isa(isa), logprobs)
+    return tokens, chosen if logprobs else None
 
 
 def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, row_slots: torch.Tensor,

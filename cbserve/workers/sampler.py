@@ -134,9 +134,10 @@ class Sampler:
         if not plain:
             return self._draw_torch(logits, requests, want_logprobs)
         whole = len(plain) == len(requests)
-        tokens, chosen = (t.tolist() for t in cpu_kernels.greedy(logits if whole else logits[plain]))
+        tokens, chosen = cpu_kernels.greedy(logits if whole else logits[plain], logprobs=want_logprobs)
+        tokens, chosen = tokens.tolist(), chosen.tolist() if want_logprobs else None
         if whole:
-            return StepResult(tokens, chosen if want_logprobs else None, None, requests)
+            return StepResult(tokens, chosen, None, requests)
         taken = set(plain)
         rest = [i for i in range(len(requests)) if i not in taken]
         other = self._draw_torch(logits[rest], [requests[i] for i in rest], want_logprobs)

@@ -107,6 +107,8 @@ def test_greedy_is_torchs_argmax_with_its_logprob(isa: str, vocab: int) -> None:
     logits[3, vocab // 2] = float("nan")  # NaN is the maximum, as for torch's argmax
     tokens, logprobs = cpu_kernels.greedy(logits, isa)
     assert tokens.tolist() == logits.argmax(-1).tolist()
+    alone, none = cpu_kernels.greedy(logits, isa, logprobs=False)  # the tokens without the exponentials
+    assert torch.equal(alone, tokens) and none is None
     expected = logits.double().log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
     assert torch.isnan(logprobs[3]) and torch.isnan(expected[3])
     keep = [0, 1, 2, 4, 5]

@@ -95,3 +95,5 @@ def test_the_greedy_kernel_picks_as_torch_and_steps_aside_for_sampled_rows() -> 
     assert both.tokens == [kernel_rows.tokens[0], *torch_rows.tokens, kernel_rows.tokens[1]]
     assert both.logprobs == [kernel_rows.logprobs[0], *torch_rows.logprobs, kernel_rows.logprobs[1]]
     assert both.top_logprobs == [[], *torch_rows.top_logprobs, []] and both.requests == mixed
+    # Without logprobs the kernel skips its pass of exponentials: the same tokens.
+    assert Sampler(VOCAB, seed=0, greedy_kernel=True)(x, mixed, want_logprobs=False).tokens == both.tokens

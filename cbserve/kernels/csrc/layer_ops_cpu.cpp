@@ -132,8 +132,10 @@ void greedy_row(const float* x, int64_t n, int64_t* token, float* logprob) {
   for (int64_t i = 1; i < n && x[t] == x[t]; ++i)
     if (x[i] > x[t] || x[i] != x[i]) t = i;
   const float m = x[t];
+  *token = t;
+  if (logprob == nullptr) return;  // the token alone
   if (m != m) {
-    *token = t, *logprob = m;
+    *logprob = m;
     return;
   }
   double total = 0;
@@ -285,6 +287,8 @@ CB_INLINE bool greedy_row_vec(const float* x, int64_t n, int64_t* token, float* 
     if (x[i] != x[i]) return false;
     if (x[i] > m) m = x[i], t = i;
   }
+  *token = t;
+  if (logprob == nullptr) return true;  // the token alone: no pass of exponentials
   double total = 0;  // lanes' float sums of 64 vectors at a time, added in double
   for (i = 0; i + N <= n;) {
     F sum{};
@@ -292,7 +296,6 @@ CB_INLINE bool greedy_row_vec(const float* x, int64_t n, int64_t* token, float* 
     for (int j = 0; j < N; ++j) total += sum[j];
   }
   for (; i < n; ++i) total += exp_poly(x[i] - m);
-  *token = t;
   *logprob = static_cast<float>(-std::log(total));  // x[t] - m - log(sum exp(x - m)), x[t] == m
   return true;
 }
@@ -479,7 +482,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) {
 }
 
 // logits [R, V] float32 rows: each row's argmax and its log-probability (greedy decoding's pick).
-std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::string& isa) {
+// logprobs false: the tokens alone (the returned log-probabilities are left unset), without the
+// pass of exponentials that is most of the op's time.
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::string& isa, bool logprobs) {
   const Path path = path_of(isa);
   check(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
         "logits: [rows, vocab] float32 on the CPU");
@@ -487,21 +492,22 @@ std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits, const std::s
   const at::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kLong));
-  at::Tensor logprobs = at::empty({rows}, x.options());
+  at::Tensor logprobs_out = at::empty({rows}, x.options());
   const float* xp = x.data_ptr<float>();
   int64_t* tp = tokens.data_ptr<int64_t>();
-  float* lp = logprobs.data_ptr<float>();
+  float* lp = logprobs_out.data_ptr<float>();
   // A row per task: one row is ~0.2 MB of logits.
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * n;
-      const bool done = path == Path::kAvx512 ? greedy_row_avx512(row, n, tp + r, lp + r)
-                        : path == Path::kAvx2 ? greedy_row_avx2(row, n, tp + r, lp + r)
+      float* l = logprobs ? lp + r : nullptr;
+      const bool done = path == Path::kAvx512 ? greedy_row_avx512(row, n, tp + r, l)
+                        : path == Path::kAvx2 ? greedy_row_avx2(row, n, tp + r, l)
                                               : false;
-      if (!done) greedy_row(row, n, tp + r, lp + r);
+      if (!done) greedy_row(row, n, tp + r, l);
     }
   });
-  return {tokens, logprobs};
+  return {tokens, logprobs_out};
 }
 
 }  // namespace
@@ -538,5 +544,5 @@ TORCH_LIBRARY_FRAGMENT(cbserve_cpu, m) {
   m.def("add_rms_norm_(Tensor? x, Tensor(a!) residual, Tensor weight, float eps, str isa) -> Tensor", &add_rms_norm_);
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim, str isa) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up, str isa) -> Tensor", &silu_mul);
-  m.def("greedy(Tensor logits, str isa) -> (Tensor, Tensor)", &greedy);
+  m.def("greedy(Tensor logits, str isa, bool logprobs=True) -> (Tensor, Tensor)", &greedy);
 }
