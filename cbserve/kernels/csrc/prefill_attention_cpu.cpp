@@ -106,19 +106,30 @@ CB_AVX512BF16 inline void qk_tile(const uint16_t* q, int64_t dim, const uint32_t
   }
 }
 
-CB_AVX512BF16 inline void qk(const uint16_t* q, int64_t vectors, int64_t dim, const uint32_t* kt, float* s) {
-  int64_t r = 0;
-  for (; r + 12 <= vectors; r += 12) qk_tile<12>(q + r * dim, dim, kt, s + r * BLOCK_TOKENS);
-  const uint16_t* qr = q + r * dim;
-  float* sr = s + r * BLOCK_TOKENS;
-  switch (vectors - r) {
-#define CB_CASE(R) \
-  case R: return qk_tile<R>(qr, dim, kt, sr);
-    CB_CASE(11) CB_CASE(10) CB_CASE(9) CB_CASE(8) CB_CASE(7) CB_CASE(6)
-    CB_CASE(5) CB_CASE(4) CB_CASE(3) CB_CASE(2) CB_CASE(1)
-#undef CB_CASE
-    default: break;
+// The scores of `vectors` query vectors through TILE<R> (qk_tile, qk_tile_f32): 12 at a time, then
+// the rest with one instantiation of their count. Shared by the paths, each compiled for its target.
+#define CB_QK_ROWS(TILE)                                                                      \
+  int64_t r = 0;                                                                              \
+  for (; r + 12 <= vectors; r += 12) TILE<12>(q + r * dim, dim, kt, s + r * BLOCK_TOKENS);   \
+  const auto* qr = q + r * dim;                                                               \
+  float* sr = s + r * BLOCK_TOKENS;                                                           \
+  switch (vectors - r) {                                                                      \
+    case 11: return TILE<11>(qr, dim, kt, sr);                                                \
+    case 10: return TILE<10>(qr, dim, kt, sr);                                                \
+    case 9: return TILE<9>(qr, dim, kt, sr);                                                  \
+    case 8: return TILE<8>(qr, dim, kt, sr);                                                  \
+    case 7: return TILE<7>(qr, dim, kt, sr);                                                  \
+    case 6: return TILE<6>(qr, dim, kt, sr);                                                  \
+    case 5: return TILE<5>(qr, dim, kt, sr);                                                  \
+    case 4: return TILE<4>(qr, dim, kt, sr);                                                  \
+    case 3: return TILE<3>(qr, dim, kt, sr);                                                  \
+    case 2: return TILE<2>(qr, dim, kt, sr);                                                  \
+    case 1: return TILE<1>(qr, dim, kt, sr);                                                  \
+    default: break;                                                                           \
   }
+
+CB_AVX512BF16 inline void qk(const uint16_t* q, int64_t vectors, int64_t dim, const uint32_t* kt, float* s) {
+  CB_QK_ROWS(qk_tile)
 }
 
 // o[r] += sum_j p[r][j] v_j for R query vectors over the block's token pairs [0, pairs), D = 16 * DV:
@@ -310,18 +321,7 @@ CB_AVX512 inline void qk_tile_f32(const float* q, int64_t dim, const float* kt, 
 }
 
 CB_AVX512 inline void qk_f32(const float* q, int64_t vectors, int64_t dim, const float* kt, float* s) {
-  int64_t r = 0;
-  for (; r + 12 <= vectors; r += 12) qk_tile_f32<12>(q + r * dim, dim, kt, s + r * BLOCK_TOKENS);
-  const float* qr = q + r * dim;
-  float* sr = s + r * BLOCK_TOKENS;
-  switch (vectors - r) {
-#define CB_CASE(R) \
-  case R: return qk_tile_f32<R>(qr, dim, kt, sr);
-    CB_CASE(11) CB_CASE(10) CB_CASE(9) CB_CASE(8) CB_CASE(7) CB_CASE(6)
-    CB_CASE(5) CB_CASE(4) CB_CASE(3) CB_CASE(2) CB_CASE(1)
-#undef CB_CASE
-    default: break;
-  }
+  CB_QK_ROWS(qk_tile_f32)
 }
 
 // o[r] += sum_j p[r][j] v_j for R query vectors over the block's first n tokens, D = 16 * DV.
@@ -422,6 +422,7 @@ CB_AVX512 __attribute__((flatten)) void run_task_f32(const Shape& a, const Task&
     for (int i = 0; i < DV; ++i) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + m * dim + 16 * i), inv));
   }
 }
+#undef CB_QK_ROWS
 #undef CB_SOFTMAX_BLOCK
 #undef CB_STORE_P_BF16
 #undef CB_STORE_P_F32
