@@ -68,7 +68,8 @@ def test_the_comparison_catches_a_wrong_packed_weight(monkeypatch) -> None:
 
 # The C++ kernel's paths: (instruction set, dtype). Each runs where the CPU has it, else is skipped.
 CPP_PATHS = [("avx2", torch.float32), ("avx512", torch.float32), ("avx512_bf16", torch.bfloat16)]
-SHAPES = [(48, 40, True), (33, 49, False), (576, 192, True), (7, 3, True), (1, 1, False), (0, 5, True)]
+SHAPES = [(48, 40, True), (33, 49, False), (576, 192, True), (7, 3, True), (1, 1, False), (0, 5, True),
+          (229, 40, False), (385, 33, True)]  # K over several of the kernel's chunks, odd and on their edge
 
 
 def skip_unless_runs(isa: str) -> None:
