@@ -205,7 +205,7 @@ class ContinuousBatchingManager:
         when not given). Bad input raises ValueError (`InvalidRequestError`) here and queues
         nothing; a full queue (`max_queue_size`) raises `QueueFullError`; a stopped or destroyed
         manager raises RuntimeError. `logit_processor_kwargs`: per-request sampling (temperature,
-        top_k, top_p, seed, penalties, logit_bias, min_tokens, top_logprobs, prompt_logprobs, ...:
+        top_k, top_p, seed, penalties, logit_bias, min_tokens, logprobs, top_logprobs, prompt_logprobs, ...:
         `validation.OPTIONS`), with `per_request_processors=True`; `grammar=` a constraint compiled
         by `cbserve.StructuredOutputs`; `priority=` (vLLM's: lower runs first), `tenant=` and
         `parent_id=` (requests sharing one are one API call's choices) for the engine's fair share;

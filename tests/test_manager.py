@@ -369,6 +369,53 @@ def test_streaming_yields_every_token_once_in_order(make_manager: MakeManager, m
     assert_all_pages_free(manager)
 
 
+def _spy_on_steps_logprobs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each sampled step computed logprobs (the sampler's `want_logprobs`)."""
+    from cbserve.workers import sampler
+
+    seen: list[bool] = []
+    draw = sampler.Sampler._draw
+
+    def spy(self, logits, requests, want_logprobs):
+        seen.append(want_logprobs)
+        return draw(self, logits, requests, want_logprobs)
+
+    monkeypatch.setattr(sampler.Sampler, "_draw", spy)
+    return seen
+
+
+def test_a_request_can_turn_logprobs_off(make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logprobs=False` on a request of an engine with `return_logprobs=True` (the server's): it
+    gets none, and the steps it runs alone compute none (the greedy kernel then skips its
+    exponentials); the engine's default still gives the others theirs."""
+    manager = make_manager(return_logprobs=True, per_request_processors=True)
+    prompt = random_prompts([20])[0]
+    tokens, logprobs = reference(tuple(prompt), 6)
+    seen = _spy_on_steps_logprobs(monkeypatch)
+    off = get(manager, manager.add_request(prompt, max_new_tokens=6, logprobs=False))
+    assert off.generated_tokens == tokens and not off.logprobs
+    assert seen and not any(seen)
+    on = get(manager, manager.add_request(prompt, max_new_tokens=6))
+    assert on.generated_tokens == tokens and on.logprobs == pytest.approx(logprobs, abs=1e-6)
+    assert seen[-1]
+    with pytest.raises(cbserve.InvalidRequestError, match="logprobs must be true or false"):
+        manager.add_request(prompt, logprobs="yes")
+
+
+def test_a_request_can_ask_for_logprobs(make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logprobs=True` on a request of an engine with `return_logprobs=False` (the default): it gets
+    the same logprobs as with the config's switch, and a step computes them only while it runs."""
+    manager = make_manager(return_logprobs=False, per_request_processors=True)
+    prompts = random_prompts([20, 9], seed=3)
+    seen = _spy_on_steps_logprobs(monkeypatch)
+    plain = get(manager, manager.add_request(prompts[1], max_new_tokens=6))
+    assert plain.generated_tokens == ref_tokens(prompts[1], 6) and not plain.logprobs and not any(seen)
+    tokens, logprobs = reference(tuple(prompts[0]), 6)
+    asked = get(manager, manager.add_request(prompts[0], max_new_tokens=6, logprobs=True))
+    assert asked.generated_tokens == tokens and asked.logprobs == pytest.approx(logprobs, abs=1e-6)
+    assert seen[-1]
+
+
 def test_streaming_under_preemption_yields_each_token_once(make_manager: MakeManager) -> None:
     # 12 pages of 16 tokens; four requests of 30 + 40 tokens need 20: some are preempted.
     manager = make_manager(num_blocks=12, max_batch_tokens=64, allow_block_sharing=False)

@@ -39,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0  # how many most likely tokens to report with each generated one
+    logprobs: bool | None = None  # each generated token's log-probability; None: the config's return_logprobs
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's, and k top ones
 
     @property

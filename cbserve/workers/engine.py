@@ -223,7 +223,7 @@ class EngineCore:
             eos_token_ids=eos_ids,
             sampling=sampling,
             streaming=streaming,
-            return_logprobs=self.config.return_logprobs,
+            return_logprobs=self.config.return_logprobs if sampling.logprobs is None else sampling.logprobs,
             grammar=grammar,
             lora_id=lora_id,
             pooling=None if pooling is None else Pooling(check_method(pooling), len(prompt)),
@@ -370,8 +370,10 @@ class EngineCore:
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
         num_rows = num_sampled_rows(sampled)
+        # Logprobs when a request of the step wants them (a greedy step without skips its exponentials).
+        want_logprobs = any(r.return_logprobs for r in requests)
         if launch_async:  # this pass's greedy tokens stay on the device; the previous pass's are read
-            launched = launch_greedy(logits, requests, self.config.return_logprobs)
+            launched = launch_greedy(logits, requests, want_logprobs)
             updated = self._update(None, in_flight.results()) if in_flight is not None else []
             self._update(plan, None)
             self._in_flight = launched
@@ -382,9 +384,9 @@ class EngineCore:
                 add_hidden_states(self.runner.hidden, self.runner.pool_chunks)
             if num_rows > len(requests):  # some requests verify proposed tokens
                 result = sample_with_drafts(self.sampler, logits[:num_rows], requests, [s.draft for s in sampled],
-                                            self.config.return_logprobs, [s.draft_probs for s in sampled])
+                                            want_logprobs, [s.draft_probs for s in sampled])
             else:
-                result = (self.sampler(logits[: len(requests)], requests, self.config.return_logprobs) if requests
+                result = (self.sampler(logits[: len(requests)], requests, want_logprobs) if requests
                           else StepResult([]))
             updated += self._update(plan, result)
             updated += self._finish_pooled(batch)

@@ -203,6 +203,7 @@ OPTIONS: dict[str, Any] = {
     "ignore_eos": lambda v, _: ("ignore_eos", _flag("ignore_eos", v)),
     "stop_token_ids": lambda v, vocab: ("stop_token_ids", _token_ids("stop_token_ids", v, vocab)),
     "top_logprobs": lambda v, _: ("top_logprobs", _integer("top_logprobs", v, 0, MAX_TOP_LOGPROBS)),
+    "logprobs": lambda v, _: ("logprobs", _flag("logprobs", v)),
     "prompt_logprobs": lambda v, _: ("prompt_logprobs", _integer("prompt_logprobs", v, 0, MAX_TOP_LOGPROBS)),
 }
 MAX_TOP_LOGPROBS = 20

@@ -179,6 +179,27 @@ def test_run_request_greedy_matches_the_manager(manager: Any, tokenizer: Any, in
     assert evs[-1].finish_reason == ("stop" if tokens[-1] == info.eos_token_id else "length")
 
 
+def test_only_a_request_that_returns_logprobs_has_the_engine_compute_them(
+        manager: Any, tokenizer: Any, info: ModelInfo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica's engine returns logprobs by default (`return_logprobs`); each request tells it
+    whether it wants them, so a step of requests without `logprobs` skips computing them."""
+    asked: list[Any] = []
+    add = manager.add_request
+
+    def spy(*args: Any, **kwargs: Any) -> str:
+        asked.append(kwargs.get("logprobs"))
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "add_request", spy)
+    for want in (False, True):
+        req = WorkerRequest(request_id=f"u-lp-{want}", prompt="hello world", max_tokens=3,
+                            sampling=Sampling(temperature=0.0), logprobs=want)
+        evs = _run(_events(manager, tokenizer, info, req))
+        got = [lp for ev in evs for lp in (ev.logprobs or [])]
+        assert len(got) == (3 if want else 0)
+    assert asked == [False, True]
+
+
 def test_run_request_cuts_at_stop_string_and_frees_pages(manager: Any, tokenizer: Any, info: ModelInfo) -> None:
     ids = tokenizer("one two three").input_ids
     full = tokenizer.decode(_direct_greedy(manager, ids, 16), skip_special_tokens=True)

@@ -82,7 +82,8 @@ def test_the_replica_hands_the_block_to_the_manager_as_is() -> None:
     wreq = WorkerRequest(request_id="r", prompt="x", max_tokens=4, sampling=block)
     info = ModelInfo(eos_token_id=0, max_context=64, default_max_tokens=4)
     asyncio.run(run_request(Recording(), Tok(), info, wreq, "local").__anext__())
-    fixed = {"request_id": "r", "max_new_tokens": 4, "streaming": True, "eos_token_id": 0, "grammar": None}
+    fixed = {"request_id": "r", "max_new_tokens": 4, "streaming": True, "eos_token_id": 0, "grammar": None,
+             "logprobs": False}
     assert calls == [{**fixed, **block.engine_kwargs()}]
     # Every field set (none dropped on the way) but `lora`, which a front sets from the request's
     # `model` (tests/serving/test_lora_front.py).

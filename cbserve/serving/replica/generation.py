@@ -137,6 +137,7 @@ def submit(manager: Manager, tokenizer: Any, info: ModelInfo, req: WorkerRequest
         streaming=True,
         eos_token_id=info.eos_token_id,
         grammar=grammar,
+        logprobs=req.logprobs,  # only a request that returns them has them computed
         **req.sampling.engine_kwargs(),
         **({"resume_tokens": req.resume.token_ids} if req.resume is not None else {}),
     )
