@@ -370,7 +370,7 @@ class EngineCore:
         t3 = time.perf_counter()
         requests = [s.request for s in sampled]
         num_rows = num_sampled_rows(sampled)
-        # Logprobs when a request of the step wants them (a greedy step without skips its exponentials).
+        # Logprobs only when a request of the step wants them: a greedy step without skips the exponentials.
         want_logprobs = any(r.return_logprobs for r in requests)
         if launch_async:  # this pass's greedy tokens stay on the device; the previous pass's are read
             launched = launch_greedy(logits, requests, want_logprobs)
