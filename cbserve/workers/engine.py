@@ -203,6 +203,10 @@ class EngineCore:
         gc = self.generation_config
         if pooling is not None:  # an embedding: its prompt only
             max_new_tokens = 0
+            for name in ("logprobs", "top_logprobs"):  # of generated tokens: an embedding has none
+                if sampling is not None and getattr(sampling, name):
+                    raise InvalidRequestError(name, f"{name} does not apply to an embedding request (pooling): "
+                                              "it generates no tokens")
         else:
             if max_new_tokens is None:
                 max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else 20

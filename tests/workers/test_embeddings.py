@@ -86,8 +86,8 @@ def test_pooling_survives_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_through_the_manager_and_refusals() -> None:
     model, prompts = model_for("llama"), random_prompts([5, 40])
     gc = GenerationConfig(max_new_tokens=4, do_sample=False)
-    manager = cbserve.ContinuousBatchingManager(model, gc, cbserve.ContinuousBatchingConfig(page_size=8,
-                                                                                            num_blocks=64))
+    manager = cbserve.ContinuousBatchingManager(model, gc, cbserve.ContinuousBatchingConfig(
+        page_size=8, num_blocks=64, per_request_processors=True))
     manager.start()
     try:
         ids = [manager.add_request(p, pooling="last") for p in prompts]
@@ -102,6 +102,10 @@ def test_through_the_manager_and_refusals() -> None:
         with pytest.raises(InvalidRequestError) as err:  # a prompt longer than the context
             manager.add_request([3] * 1025, pooling="mean")
         assert err.value.field == "input_ids" and "1025" in str(err.value)
+        for option in ({"logprobs": True}, {"top_logprobs": 2}):  # of generated tokens: an embedding has none
+            with pytest.raises(InvalidRequestError, match="embedding request") as err:
+                manager.add_request(prompts[0], pooling="mean", **option)
+            assert err.value.field == next(iter(option))
     finally:
         manager.stop()
 
