@@ -135,7 +135,7 @@ class Sampler:
             return self._draw_torch(logits, requests, want_logprobs)
         whole = len(plain) == len(requests)
         tokens, chosen = cpu_kernels.greedy(logits if whole else logits[plain], logprobs=want_logprobs)
-        tokens, chosen = tokens.tolist(), chosen.tolist() if want_logprobs else None
+        tokens, chosen = tokens.tolist(), None if chosen is None else chosen.tolist()
         if whole:
             return StepResult(tokens, chosen, None, requests)
         taken = set(plain)
