@@ -179,18 +179,25 @@ def test_haproxy_template_binds_its_listeners_to_the_host() -> None:
         ray_compat.haproxy_template(serve.replace("bind *:{{ config.stats_port }}", "bind *:8404"), "10.1.2.3")
 
 
-def test_run_passes_the_proxy_environment() -> None:
+def test_run_passes_the_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from cbserve.cluster import ray_compat
-    from cbserve.cluster.run import controller_options
+    from cbserve.cluster.run import CONTROL_LOOP_ENV, controller_options
 
+    monkeypatch.delenv(CONTROL_LOOP_ENV, raising=False)
     apps = [{"args": {"limits": {"max_body_bytes": 4096}}}, {"args": {}}]
     env = controller_options({"http_options": {"host": "127.0.0.1"}, "applications": apps})["runtime_env"]["env_vars"]
     assert env == {ray_compat.PROXY_CALLBACK_ENV: ray_compat.PROXY_CALLBACK, ray_compat.GRPC_HOST_ENV: "127.0.0.1",
-                   ray_compat.GRPC_MAX_MESSAGE_ENV: str(1 << 20)}  # the largest cap of the two apps
+                   ray_compat.GRPC_MAX_MESSAGE_ENV: str(1 << 20),  # the largest cap of the two apps
+                   CONTROL_LOOP_ENV: "1"}  # Serve's controller loop every second, not every 0.1 s
     own = {"runtime_env": {"env_vars": {ray_compat.GRPC_MAX_MESSAGE_ENV: "2048", "OTHER": "1"}}}
     env = controller_options({"controller_options": own, "applications": apps})["runtime_env"]["env_vars"]
     assert env[ray_compat.GRPC_MAX_MESSAGE_ENV] == "2048" and env["OTHER"] == "1"
     assert env[ray_compat.GRPC_HOST_ENV] == "0.0.0.0"  # Serve's schema default: gRPC binds where HTTP does
+    monkeypatch.setenv(CONTROL_LOOP_ENV, "0.25")  # the operator's own interval is kept
+    assert controller_options({"applications": apps})["runtime_env"]["env_vars"][CONTROL_LOOP_ENV] == "0.25"
+    own = {"runtime_env": {"env_vars": {CONTROL_LOOP_ENV: "2"}}}  # and the config's over both
+    assert controller_options({"controller_options": own, "applications": apps})["runtime_env"]["env_vars"][
+        CONTROL_LOOP_ENV] == "2"
 
 
 def test_run_switches_serves_ingress_for_the_ray_it_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

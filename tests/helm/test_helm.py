@@ -340,6 +340,7 @@ def test_default_values_render_the_serve_config_of_ray_config(helm: Any) -> None
         assert "CBSERVE_API_KEY" not in env  # no API key by default
         assert env["RAY_worker_niceness"]["value"] == "0"  # workers at the node's priority
         assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "1"  # HAProxy ingress, as make serve runs
+        assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"]["value"] == "1"  # as make serve's controller
 
 
 def test_tp4_autoscaling_api_key_and_service_monitor(helm: Any) -> None:
