@@ -34,10 +34,12 @@ logger = logging.getLogger("cbserve.run")
 DEFAULT_CONFIG = "ray_config.yaml"
 BOARD, WORKER = "StatsBoard", "LLMWorker"
 INGRESSES = ("haproxy", "proxy")
+# Serve's controller loop period given to the controller cbserve starts (controller_options);
+# Serve's default is 0.1 s.
+CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1"
 # Ports of Serve's HAProxy ingress besides the config's two (environment variable, Serve's default):
 # HAProxy's stats page and Prometheus frontend, the fallback Python proxy behind it. A second
 # server on the same host takes free ones instead of failing to start.
-CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1"  # Serve's default: 0.1 s
 HAPROXY_SIDE_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
                       "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500, "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500}
 # The ranges Serve takes the ingress replicas' own HTTP and gRPC ports from (variables of the first
