@@ -400,14 +400,49 @@ def test_cpu_paths_match_reference(isa: str, case: tuple) -> None:
     torch.testing.assert_close(got, ref.paged_decode_attention(decode_q(dec), *args), **tol)
 
 
+# Contexts around the kernel's softmax segments (512 positions): one segment, its edges, several.
+LONG_CTX = [1, 511, 512, 513, 1100, 2100]
+LONG_CASES = [  # page, kv_heads, group, head_dim, window, softcap, dtype
+    (16, 3, 3, 64, None, None, torch.bfloat16),  # the default model's shape
+    (16, 2, 3, 64, 700, 50.0, torch.float64),  # a window spanning segments, its start between pages
+    (8, 2, 2, 32, None, 30.0, torch.float32),
+]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("isa", CPU_PATHS)
+@pytest.mark.parametrize("case", LONG_CASES, ids=_case_id)
+def test_cpu_long_rows_match_reference(isa: str, case: tuple) -> None:
+    """Rows over several softmax segments, whose partial sums combine after: decode rows alone (a
+    long row's segments are tasks of their own), a few and many together (a task per row), and a
+    prefill chunk over cached pages, against the reference."""
+    _skip_unless_cpu_path(isa)
+    page, kvh, group, d, window, softcap, dtype = case
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else _tol(dtype)
+    dec = make_batch([(c, 1) for c in LONG_CTX * 2], page, kvh, group, d, dtype, seed=3, window=window)
+    for rows in (1, 2, len(LONG_CTX) * 2):
+        sub = slice(len(LONG_CTX) - 1, len(LONG_CTX) - 1 + rows) if rows < 3 else slice(None)
+        args = (dec.k_cache, dec.v_cache, dec.block_tables[sub], dec.context_lens[sub], 0.25, window, softcap)
+        want = ref.paged_decode_attention(decode_q(dec)[sub], *args)
+        assert not want.isnan().any()
+        got = cpu_kernels.paged_decode_attention(decode_q(dec)[sub], *args, isa=isa)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{rows} rows: {m}")
+    pre = make_batch([(1300, 70), (600, 3)], page, kvh, group, d, dtype, seed=4, window=window)
+    args = (pre.k_cache, pre.v_cache, pre.cu_seqlens_q, pre.block_tables, pre.context_lens, 0.25)
+    want = ref.varlen_paged_attention(pre.q, *args, window, softcap)
+    torch.testing.assert_close(cpu_kernels.varlen_paged_attention(pre.q, *args, window, softcap, isa=isa), want, **tol)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("isa", CPU_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> None:
     """A query row's output is bitwise the same as a decode row alone, inside a prefill chunk of any
-    length, or among many other rows (batch invariance of the attention kernel)."""
+    length, or among many other rows (batch invariance of the attention kernel); also a row over
+    several softmax segments, whose segments are tasks of their own when it is alone, and on one
+    thread."""
     _skip_unless_cpu_path(isa)
-    batch = make_batch([(90, 40), (5, 5), (61, 1), (130, 17)], 16, 3, 3, 64, dtype, seed=11)
+    batch = make_batch([(90, 40), (5, 5), (61, 1), (130, 17), (1100, 6)], 16, 3, 3, 64, dtype, seed=11)
     args = (batch.k_cache, batch.v_cache)
     together = cpu_kernels.varlen_paged_attention(batch.q, *args, batch.cu_seqlens_q, batch.block_tables,
                                                   batch.context_lens, 0.125, isa=isa)
@@ -418,6 +453,15 @@ def test_cpu_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> No
             alone = cpu_kernels.paged_decode_attention(batch.q[lo + i : lo + i + 1], *args, table,
                                                        torch.tensor([ctx - q_len + i + 1]), 0.125, isa=isa)
             assert torch.equal(alone[0], together[lo + i]), (b, i)
+            if ctx > 512 and i == 0:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    one = cpu_kernels.paged_decode_attention(batch.q[lo : lo + 1], *args, table,
+                                                             torch.tensor([ctx - q_len + 1]), 0.125, isa=isa)
+                finally:
+                    torch.set_num_threads(threads)
+                assert torch.equal(one[0], together[lo]), (b, "one thread")
         cut = q_len // 3  # the same rows as two chunks
         for a, e in ((0, cut), (cut, q_len)):
             if e > a:
