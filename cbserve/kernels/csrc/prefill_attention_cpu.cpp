@@ -9,8 +9,9 @@
 //
 // Paths:
 // - bfloat16 on AVX-512 BF16: q.k by `vdpbf16ps` on K transposed into dimension pairs per block;
-//   the softmax in float32; p.v by `vdpbf16ps` on the probabilities rounded to bfloat16 (as flash
-//   attention's second GEMM) and V interleaved by token pairs; the output rounded once.
+//   the softmax in float32 (its exp to ~3e-6: exp_bf16_probability); p.v by `vdpbf16ps` on the
+//   probabilities rounded to bfloat16 (as flash attention's second GEMM) and V interleaved by token
+//   pairs; the output rounded once.
 // - float32 on AVX-512: q.k by fused multiply-adds on K transposed per block (32 tokens per
 //   dimension); p.v on the probabilities in float32 and V rows read straight from their pages.
 // Requests with fewer than TILE_MIN_ROWS query rows (decode rows riding in a prefill step) go
@@ -237,23 +238,24 @@ struct Add16 {
 // per-vector horizontal reductions and scalar exp took a third of a long prompt's attention).
 // STORE_P(m, p0, p1) writes vector m's 32 probabilities (zeros for a block outside its window: P0
 // and P1 zero vectors): the body is shared by the paths, each compiled for its own target.
-#define CB_SOFTMAX_BLOCK(STORE_P)                                                                              \
+#define CB_SOFTMAX_BLOCK(STORE_P, EXP)                                                                         \
   constexpr int64_t dim = 16 * DV;                                                                             \
   const __m512 scale = _mm512_set1_ps(a.scale), neg_inf = _mm512_set1_ps(NEG_INF);                             \
   for (int64_t g0 = m0; g0 < m1; g0 += 16) {                                                                   \
     const int64_t count = std::min<int64_t>(16, m1 - g0);                                                      \
     const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);                                          \
     __m512 part[16];                                                                                           \
-    uint32_t seen = 0; /* the vectors that see some of the block */                                            \
-    for (int64_t i = 0; i < 16; ++i) {                                                                         \
+    uint32_t seen = 0, keep[16]; /* the vectors that see some of the block; the tokens each sees */           \
+    for (int64_t i = 0, row = g0 / group, head = g0 % group; i < 16; ++i, row += ++head == group, head %= group) { \
       part[i] = neg_inf;                                                                                       \
       if (i >= count) continue;                                                                                \
-      const int64_t m = g0 + i, pos = t.p0 + m / group;                                                        \
+      const int64_t m = g0 + i, pos = t.p0 + row;                                                              \
       const int64_t hi = std::min(n, pos - t0 + 1), lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1 - t0) : 0; \
       if (lo >= hi) continue; /* the block is outside this row's window */                                     \
       seen |= 1u << i;                                                                                         \
       float* s = w.s.data() + m * BLOCK_TOKENS;                                                                \
       const uint32_t bits = static_cast<uint32_t>(((uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1));    \
+      keep[i] = bits;                                                                                          \
       __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s), scale), x1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), scale); \
       if (a.softcap > 0) {                                                                                     \
         alignas(64) float buf[BLOCK_TOKENS];                                                                   \
@@ -288,8 +290,8 @@ struct Add16 {
       }                                                                                                        \
       const float* s = w.s.data() + m * BLOCK_TOKENS;                                                          \
       const __m512 tv = _mm512_set1_ps(tops[i]);                                                               \
-      const __m512 p0 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s), tv));                                     \
-      const __m512 p1 = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + 16), tv));                                \
+      const __m512 p0 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[i]), EXP(_mm512_sub_ps(_mm512_loadu_ps(s), tv))); \
+      const __m512 p1 = _mm512_maskz_mov_ps(static_cast<__mmask16>(keep[i] >> 16), EXP(_mm512_sub_ps(_mm512_loadu_ps(s + 16), tv))); \
       STORE_P(m, p0, p1)                                                                                       \
       part[i] = _mm512_add_ps(p0, p1);                                                                         \
       if (alphas[i] != 1.0f) {                                                                                 \
@@ -303,12 +305,26 @@ struct Add16 {
     _mm512_mask_storeu_ps(w.sum.data() + g0, live, sum);                                                       \
   }
 
+// exp(x) for x <= 0 to ~3e-6 relative (2^(x log2 e) as 2^n times a degree-4 polynomial in the rest),
+// half exp_avx512's instructions: the bfloat16 path rounds its probabilities to bfloat16 (2^-9
+// relative) for p.v anyway. Lanes of -inf come out NaN: the caller masks them.
+CB_AVX512 inline __m512 exp_bf16_probability(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009560510516166687f), f, _mm512_set1_ps(0.05591703951358795f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  return _mm512_scalef_ps(p, n);
+}
+
 #define CB_STORE_P_BF16(M, P0, P1) \
   _mm512_storeu_si512(w.p.data() + (M) * BLOCK_TOKENS, (__m512i)_mm512_cvtne2ps_pbh(P1, P0));
 template <int DV>
 CB_AVX512BF16 inline void softmax_block(const Shape& a, const Task& t, int64_t group, int64_t m0, int64_t m1,
                                         int64_t t0, int64_t n, Scratch& w) {
-  CB_SOFTMAX_BLOCK(CB_STORE_P_BF16)
+  CB_SOFTMAX_BLOCK(CB_STORE_P_BF16, exp_bf16_probability)
 }
 
 template <int DV>
@@ -440,7 +456,7 @@ CB_AVX512 inline void load_block_f32(const Shape& a, const int64_t* table, const
 template <int DV>
 CB_AVX512 inline void softmax_block_f32(const Shape& a, const Task& t, int64_t group, int64_t m0, int64_t m1,
                                         int64_t t0, int64_t n, Scratch& w) {
-  CB_SOFTMAX_BLOCK(CB_STORE_P_F32)
+  CB_SOFTMAX_BLOCK(CB_STORE_P_F32, exp_avx512)
 }
 
 template <int DV>
