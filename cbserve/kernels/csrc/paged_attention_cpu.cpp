@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -645,13 +646,15 @@ struct Piece {
 };
 
 // The tasks of one thread: [first, count) in steps of `stride`. Without pieces, task t is query
-// row t / splits, KV heads from (t % splits) * (kv_heads / splits); with pieces it is pieces[t]
-// (partials into `parts`), and with `combine` set it combines the partials of pieces[t]'s row
-// when pieces[t] is its first segment of several.
+// row t / splits, KV heads from (t % splits) * (kv_heads / splits). With pieces, the threads take
+// pieces[t] in turn from `next` (partials into `parts`): pieces differ in length (a row's last
+// segment, a short row's KV head), so a fixed split would leave one thread the long ones. With
+// `combine` set, the thread combines the partials of each row of several segments instead.
 struct Tasks {
   int64_t first, stride, count, splits;
   const Piece* pieces = nullptr;
   void* parts = nullptr;
+  std::atomic<int64_t>* next = nullptr;
   bool combine = false;
 };
 
@@ -695,6 +698,17 @@ inline void run_tasks(const Args& a, const Tasks& t) {
       lo = first, hi = last;
     }
   };
+  if (t.next) {  // pieces, as the threads come for them (each asks for its own piece's K/V rows)
+    for (int64_t task = (*t.next)++; task < t.count; task = (*t.next)++) {
+      int64_t row, g0, heads, lo, hi;
+      span(task, row, g0, heads, lo, hi);
+      prefetch_task<T>(a, row, g0, heads, lo, hi);
+      const Piece& p = t.pieces[task];
+      T* out = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * a.dim;
+      attend_span<Ops, T>(a, row, g0, heads * group, lo, hi, head, buf, out, p.slot < 0 ? nullptr : parts + p.slot);
+    }
+    return;
+  }
   for (int64_t task = t.first; task < t.count; task += t.stride) {
     int64_t row, g0, heads, lo, hi;
     if (t.combine) {
@@ -711,14 +725,7 @@ inline void run_tasks(const Args& a, const Tasks& t) {
       span(next, row, g0, heads, lo, hi);
       prefetch_task<T>(a, row, g0, heads, lo, hi);
     }
-    if (!t.pieces) {
-      attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, head, buf);
-      continue;
-    }
-    span(task, row, g0, heads, lo, hi);
-    const Piece& p = t.pieces[task];
-    T* out = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * a.dim;
-    attend_span<Ops, T>(a, row, g0, heads * group, lo, hi, head, buf, out, p.slot < 0 ? nullptr : parts + p.slot);
+    attend<Ops, T>(a, task / t.splits, (task % t.splits) * per_task, per_task * group, head, buf);
   }
 }
 
@@ -858,12 +865,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     });
     return out;
   }
+  // The most work first (token rows x KV heads), so the short pieces even out the threads' ends.
+  const auto size_of = [&](const Piece& p) {
+    int64_t first, last;
+    visible(a, p.row, first, last);
+    return (p.slot < 0 ? last + 1 - first : std::min(SEGMENT, last + 1 - first - p.seg * SEGMENT)) * p.kv_heads;
+  };
+  std::stable_sort(pieces.begin(), pieces.end(), [&](const Piece& x, const Piece& y) { return size_of(x) > size_of(y); });
   const int64_t count = static_cast<int64_t>(pieces.size());
   const at::Tensor parts = at::empty({slots}, q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run(a, Tasks{t, threads, count, splits, pieces.data(), parts.data_ptr()});
+    for (int64_t t = begin; t < end; ++t) run(a, Tasks{t, threads, count, splits, pieces.data(), parts.data_ptr(), &next});
   });
-  run(a, Tasks{0, 1, count, splits, pieces.data(), parts.data_ptr(), true});
+  run(a, Tasks{0, 1, count, splits, pieces.data(), parts.data_ptr(), nullptr, true});
   return out;
 }
 
