@@ -703,9 +703,9 @@ inline void run_tasks(const Args& a, const Tasks& t) {
       int64_t row, g0, heads, lo, hi;
       span(task, row, g0, heads, lo, hi);
       prefetch_task<T>(a, row, g0, heads, lo, hi);
-      const Piece& p = t.pieces[task];
+      const int64_t slot = t.pieces[task].slot;
       T* out = static_cast<T*>(a.out) + (row * a.heads + g0 * group) * a.dim;
-      attend_span<Ops, T>(a, row, g0, heads * group, lo, hi, head, buf, out, p.slot < 0 ? nullptr : parts + p.slot);
+      attend_span<Ops, T>(a, row, g0, heads * group, lo, hi, head, buf, out, slot < 0 ? nullptr : parts + slot);
     }
     return;
   }
@@ -869,7 +869,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const auto size_of = [&](const Piece& p) {
     int64_t first, last;
     visible(a, p.row, first, last);
-    return (p.slot < 0 ? last + 1 - first : std::min(SEGMENT, last + 1 - first - p.seg * SEGMENT)) * p.kv_heads;
+    return std::min(SEGMENT, last + 1 - first - p.seg * SEGMENT) * p.kv_heads;
   };
   std::stable_sort(pieces.begin(), pieces.end(), [&](const Piece& x, const Piece& y) { return size_of(x) > size_of(y); });
   const int64_t count = static_cast<int64_t>(pieces.size());
